@@ -1,0 +1,46 @@
+# tfprofd: `make run` installs and runs the agent; `make test` installs what the tests need and runs them all.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: run test lint golden bench system-deps clean
+
+$(VENV)/.runtime: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) -e '.[capture]'
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime
+	$(PIP) -e '.[capture,tf,dev]'
+	touch $@
+
+# Runs the agent in the foreground with the built-in defaults (Ctrl-C stops it).
+# Without root it keeps its state under ~/.local/state/tfprofd.
+run: $(VENV)/.runtime
+	$(VENV)/bin/tfprofd run $(ARGS)
+
+# Debian's prometheus (promtool), alertmanager (amtool), node_exporter and systemd-analyze.
+system-deps:
+	scripts/install-system-deps
+
+test: $(VENV)/.test system-deps
+	$(MAKE) -s -C tests/fakenvml
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+
+# Accept an intended change of the metrics output; review the diff before committing it.
+golden: $(VENV)/.test
+	$(MAKE) -s -C tests/fakenvml
+	UPDATE_GOLDEN=1 $(PY) -m pytest -q tests/test_e2e_metrics.py
+
+bench: $(VENV)/.test system-deps
+	$(MAKE) -s -C tests/fakenvml
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) tests/fakenvml/libnvidia-ml.so.1

@@ -1,0 +1,252 @@
+"""The agent: builds the collectors from the config, samples them in the background, serves HTTP,
+reloads on SIGHUP and stops on SIGTERM."""
+
+from __future__ import annotations
+
+import html
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+
+import psutil
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.exposition import choose_encoder
+
+from tfprofd.exporter.base import Clock, Collector, HostPaths
+from tfprofd.exporter.cpu import CpuCollector
+from tfprofd.exporter.disk import DiskCollector
+from tfprofd.exporter.memory import MemoryCollector
+from tfprofd.exporter.network import NetworkCollector
+from tfprofd.exporter.nvml import NvmlCollector
+from tfprofd.exporter.selfstats import SampleStatus, SelfCollector
+
+from . import __version__, logs
+from . import config as configmod
+from .httpserver import HttpServer, Request, Response, Router, json_response
+from .sampler import CollectorRunner
+
+log = logging.getLogger("tfprofd.agent")
+
+HOST_COLLECTORS = ("nvml", "cpu", "memory", "disk", "network")
+
+
+class Agent:
+    """One running tfprofd. ``start()`` returns once it serves; ``wait()`` blocks until it stops."""
+
+    def __init__(self, cfg: configmod.Config, reload_source: Callable[[], configmod.Config] | None = None,
+                 clock: Clock | None = None, nvml: ModuleType | None = None):
+        self.cfg = cfg
+        self.reload_source = reload_source
+        self.clock = clock or Clock()
+        self.nvml_module = nvml
+        self.collectors: dict[str, Collector] = {}
+        self.runners: dict[str, CollectorRunner] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Exposition(self))
+        self.self_collector = SelfCollector(__version__, self.statuses)
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._reload_requested = False
+        self._lock = threading.RLock()
+        self.metrics_server: HttpServer | None = None
+        self.api_server: HttpServer | None = None
+        self.api = Router()
+
+    # ---- collectors ----
+
+    def paths(self) -> HostPaths:
+        return HostPaths(Path(self.cfg["procfs_path"]), Path(self.cfg["sysfs_path"]))
+
+    def _configure(self, name: str) -> Collector:
+        """Create the named collector, or update the existing one in place so its state survives a reload."""
+        cfg, existing = self.cfg, self.collectors.get(name)
+        if name == "nvml":
+            c = existing if isinstance(existing, NvmlCollector) else NvmlCollector(clock=self.clock,
+                                                                                   nvml=self.nvml_module)
+            c.pcie_interval = cfg["collectors.nvml.pcie_interval"]
+            c.retry_interval = cfg["collectors.nvml.retry_interval"]
+            return c
+        if name == "cpu":
+            c = existing if isinstance(existing, CpuCollector) else CpuCollector(self.paths())
+        elif name == "memory":
+            c = existing if isinstance(existing, MemoryCollector) else MemoryCollector(self.paths())
+        elif name == "disk":
+            c = existing if isinstance(existing, DiskCollector) else DiskCollector(
+                self.paths(), cfg["collectors.disk.device_exclude"])
+            c.device_exclude = cfg["collectors.disk.device_exclude"]
+        elif name == "network":
+            c = existing if isinstance(existing, NetworkCollector) else NetworkCollector(
+                self.paths(), cfg["collectors.network.device_exclude"])
+            c.device_exclude = cfg["collectors.network.device_exclude"]
+        else:
+            raise ValueError(f"unknown collector {name}")
+        c.paths = self.paths()
+        return c
+
+    def enabled(self, name: str) -> bool:
+        return bool(self.cfg[f"collectors.{name}.enabled"])
+
+    def _apply(self) -> None:
+        """Start, update and stop collector runners to match the current config."""
+        psutil.PROCFS_PATH = self.cfg["procfs_path"]
+        for name in HOST_COLLECTORS:
+            if self.enabled(name):
+                self.collectors[name] = self._configure(name)
+                if name not in self.runners:
+                    runner = CollectorRunner(self.collectors[name], lambda: self.cfg["interval"], self.clock,
+                                             self._after_sample)
+                    self.runners[name] = runner
+                    runner.sample_once()  # the first scrape already has data
+                    runner.start()
+            elif name in self.runners:
+                self.runners.pop(name).stop()
+                self.collectors.pop(name).close()
+                log.info("collector %s disabled", name)
+
+    def _after_sample(self, name: str) -> None:
+        """Hook for rules that evaluate on every sample (set by later layers)."""
+
+    def statuses(self) -> dict[str, SampleStatus]:
+        return {name: runner.status for name, runner in list(self.runners.items())}
+
+    def collect_all(self) -> Iterator[Metric]:
+        yield from self.self_collector.collect()
+        for name, collector in list(self.collectors.items()):
+            try:
+                families = list(collector.collect())
+            except Exception:  # a broken collect() must not break the scrape
+                log.exception("collector %s failed to render metrics", name)
+                self.runners[name].status.success = False
+                continue
+            yield from families
+
+    # ---- HTTP ----
+
+    def _metrics(self, request: Request) -> Response:
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(200, encoder(self.registry), content_type)
+
+    def _healthz(self, request: Request) -> Response:
+        now, stale_after = self.clock.time(), max(3 * self.cfg["interval"], 10.0)
+        collectors = {}
+        healthy = not self._stopping.is_set()
+        for name, runner in list(self.runners.items()):
+            age = now - runner.status.timestamp
+            fresh = runner.alive() and age <= stale_after
+            healthy = healthy and fresh
+            collectors[name] = {"success": runner.status.success, "last_sample_age_seconds": round(age, 3),
+                                "sampling": fresh}
+        return json_response(200 if healthy else 503, {"status": "ok" if healthy else "unhealthy",
+                                                       "collectors": collectors})
+
+    def _landing(self, request: Request) -> Response:
+        api_host, api_port = self.api_server.address if self.api_server else ("", 0)
+        body = f"""<!doctype html><html><head><title>tfprofd</title></head><body>
+<h1>tfprofd {html.escape(__version__)}</h1>
+<p>GPU, host and training-throughput metrics for Prometheus, with profile captures when utilization drops.</p>
+<ul><li><a href="/metrics">/metrics</a>: Prometheus metrics</li>
+<li><a href="/healthz">/healthz</a>: health of the sampling loop</li></ul>
+<p>Control API (captures, Alertmanager webhook): http://{html.escape(api_host)}:{api_port}/api/v1/</p>
+</body></html>
+"""
+        return Response(200, body.encode(), "text/html; charset=utf-8")
+
+    def _token(self) -> str:
+        path = self.cfg["api.token_file"]
+        if path:
+            try:
+                return Path(path).read_text().strip()
+            except OSError as exc:
+                log.error("cannot read api.token_file %s: %s; refusing control requests", path, exc)
+                return "\0unreadable"  # no client can send this, so every request is refused
+        return self.cfg["api.token"]
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        logs.setup(self.cfg["log_level"])
+        metrics = Router()
+        metrics.add("GET", "/", self._landing)
+        metrics.add("GET", "/metrics", self._metrics)
+        metrics.add("GET", "/healthz", self._healthz)
+        self.metrics_server = HttpServer(self.cfg["listen"], metrics, max_body=4096, name="metrics")
+        self.api_server = HttpServer(self.cfg["api.listen"], self.api, max_body=self.cfg["api.max_body_bytes"],
+                                     token=self._token, name="api")
+        with self._lock:
+            self._apply()
+        self.metrics_server.start()
+        self.api_server.start()
+        log.info("tfprofd %s serving metrics on %s:%d, control API on %s:%d", __version__,
+                 *self.metrics_server.address, *self.api_server.address)
+
+    def reload(self) -> bool:
+        """Re-read the config; on any problem keep the running one and log every problem."""
+        if self.reload_source is None:
+            return False
+        try:
+            new = self.reload_source()
+        except configmod.ConfigError as exc:
+            for problem in exc.problems:
+                log.error("config reload rejected: %s", problem)
+            return False
+        with self._lock:
+            for key in ("listen", "api.listen"):
+                if new[key] != self.cfg[key]:
+                    log.warning("%s changed; it takes effect after a restart", key)
+            new.values["listen"], new.values["api.listen"] = self.cfg["listen"], self.cfg["api.listen"]
+            self.cfg = new
+            logs.setup(new["log_level"])
+            self._apply()
+        log.info("config reloaded from %s", new.path or "defaults")
+        return True
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+
+    def request_reload(self) -> None:
+        self._reload_requested = True
+        self._wake.set()
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.request_stop())
+        signal.signal(signal.SIGINT, lambda *_: self.request_stop())
+        signal.signal(signal.SIGHUP, lambda *_: self.request_reload())
+
+    def wait(self) -> None:
+        """Block until stopped, reloading whenever asked."""
+        while not self._stopping.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            if self._reload_requested and not self._stopping.is_set():
+                self._reload_requested = False
+                self.reload()
+        self.stop()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for runner in self.runners.values():
+            runner.stop()
+        for server in (self.metrics_server, self.api_server):
+            if server:
+                server.stop()
+        for runner in self.runners.values():
+            runner.join(timeout=1.0)
+        for collector in self.collectors.values():
+            collector.close()
+        log.info("tfprofd stopped")
+
+
+class _Exposition:
+    """Adapts the agent to prometheus_client's registry: every scrape renders the latest samples."""
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        return self.agent.collect_all()
+

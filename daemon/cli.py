@@ -1,0 +1,96 @@
+"""The ``tfprofd`` command: ``run`` the agent, ``check-config`` a file, and the client subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import __version__
+from . import config as configmod
+
+
+def _add_option_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("options (each also settable as env var and in the YAML file)")
+    for option in configmod.OPTIONS:
+        group.add_argument(option.flag, dest=option.key, default=None, metavar="VALUE",
+                           help=f"{option.help} Env {option.env}. Default: {_show(option.default)}.")
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def _option_flags(args: argparse.Namespace) -> dict[str, Any]:
+    values = vars(args)
+    return {o.key: values[o.key] for o in configmod.OPTIONS if values.get(o.key) is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tfprofd", description=(
+        "GPU training-host agent: exports GPU, host and training metrics to Prometheus and captures "
+        "TensorFlow profiles when utilization drops."))
+    parser.add_argument("--version", action="version", version=f"tfprofd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the agent")
+    run.add_argument("--config", default=os.environ.get(configmod.CONFIG_ENV),
+                     help=f"YAML config file (env {configmod.CONFIG_ENV}); without one the built-in defaults apply")
+    _add_option_flags(run)
+
+    check = sub.add_parser("check-config", help="validate a config file and print every problem at once")
+    check.add_argument("path")
+    return parser
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .agent import Agent
+
+    flags = _option_flags(args)
+
+    def load() -> configmod.Config:
+        return configmod.load(args.config, os.environ, flags)
+
+    try:
+        cfg = load()
+    except configmod.ConfigError as exc:
+        print(f"tfprofd: invalid configuration ({len(exc.problems)} problem(s)):", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 2
+    agent = Agent(cfg, reload_source=load)
+    agent.install_signal_handlers()
+    try:
+        agent.start()
+    except OSError as exc:
+        print(f"tfprofd: cannot start: {exc}", file=sys.stderr)
+        agent.stop()
+        return 1
+    agent.wait()
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        configmod.load(args.path, env={})
+    except configmod.ConfigError as exc:
+        print(f"{args.path}: {len(exc.problems)} problem(s):", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    print(f"{args.path}: OK")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "check-config": cmd_check_config}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

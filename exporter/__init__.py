@@ -1,0 +1,1 @@
+"""tfprofd's metric producers: one collector module per source, and the in-process training hook."""

@@ -1,0 +1,74 @@
+"""Network collector: per-interface bytes, packets, errors and drops, and link speed."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psutil
+from prometheus_client.core import Metric
+
+from .base import Collector, HostPaths, counter, gauge
+
+_COLUMNS = (
+    ("bytes_recv", "network_receive_bytes", "Total bytes received on the interface."),
+    ("bytes_sent", "network_transmit_bytes", "Total bytes transmitted on the interface."),
+    ("packets_recv", "network_receive_packets", "Total packets received on the interface."),
+    ("packets_sent", "network_transmit_packets", "Total packets transmitted on the interface."),
+    ("errin", "network_receive_errors", "Total receive errors on the interface."),
+    ("errout", "network_transmit_errors", "Total transmit errors on the interface."),
+    ("dropin", "network_receive_drops", "Total received packets dropped on the interface."),
+    ("dropout", "network_transmit_drops", "Total transmitted packets dropped on the interface."),
+)
+
+
+def parse_speed(text: str) -> float | None:
+    """Link speed in bytes/s from /sys/class/net/<if>/speed (Mbit/s; -1 or empty when unknown)."""
+    try:
+        mbits = int(text.strip())
+    except ValueError:
+        return None
+    return mbits * 1_000_000 / 8 if mbits > 0 else None
+
+
+@dataclass
+class NetworkSample:
+    counters: dict[str, dict[str, int]]
+    speed: dict[str, float]
+
+
+class NetworkCollector(Collector):
+    name = "network"
+
+    def __init__(self, paths: HostPaths, device_exclude: re.Pattern[str]):
+        self.paths = paths
+        self.device_exclude = device_exclude
+        self.latest: NetworkSample | None = None
+
+    def sample(self) -> bool:
+        counters = {
+            name: c._asdict() for name, c in sorted(psutil.net_io_counters(pernic=True, nowrap=True).items())
+            if not self.device_exclude.match(name)
+        }
+        speed = {}
+        for name in counters:
+            text = self.paths.read_sys(f"class/net/{name}/speed")
+            value = parse_speed(text) if text else None
+            if value:
+                speed[name] = value
+        self.latest = NetworkSample(counters, speed)
+        return True
+
+    def clear(self) -> None:
+        self.latest = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.latest
+        if s is None:
+            return
+        for field, name, documentation in _COLUMNS:
+            yield counter(name, documentation, ["device"],
+                          (((dev,), c[field]) for dev, c in s.counters.items()))
+        yield gauge("network_speed_bytes", "Link speed of the interface in bytes per second.", ["device"],
+                    (((dev,), v) for dev, v in s.speed.items()))

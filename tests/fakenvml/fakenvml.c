@@ -1,0 +1,452 @@
+/* A stand-in for libnvidia-ml.so.1: serves the NVML calls tfprofd makes from a JSON state file.
+ *
+ * The file is named by $FAKE_NVML_STATE and re-read whenever it changes (mtime, size or inode), so a
+ * test scripts a GPU by rewriting it. Keys are documented in README.md beside this file. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int nvmlReturn_t;
+enum {
+    OK = 0, ERR_UNINITIALIZED = 1, ERR_INVALID_ARGUMENT = 2, ERR_NOT_SUPPORTED = 3,
+    ERR_NOT_FOUND = 6, ERR_INSUFFICIENT_SIZE = 7, ERR_DRIVER_NOT_LOADED = 9, ERR_TIMEOUT = 10,
+    ERR_GPU_IS_LOST = 15, ERR_UNKNOWN = 999
+};
+#define MAX_GPUS 64
+#define XID_EVENT 0x8ULL
+
+/* ---- a minimal JSON reader: enough for the state file ---- */
+typedef enum { J_NULL, J_BOOL, J_NUM, J_STR, J_ARR, J_OBJ } jtype;
+typedef struct jnode {
+    jtype type;
+    double num;
+    char *str;             /* J_STR value, or the key when inside an object */
+    char *key;
+    struct jnode *child;   /* first element / member */
+    struct jnode *next;
+} jnode;
+
+static const char *jp;
+static int jerr;
+
+static void jskip(void) { while (*jp == ' ' || *jp == '\n' || *jp == '\r' || *jp == '\t') jp++; }
+
+static char *jstring(void) {
+    if (*jp != '"') { jerr = 1; return NULL; }
+    jp++;
+    const char *start = jp;
+    size_t cap = 16, len = 0;
+    char *out = malloc(cap);
+    while (*jp && *jp != '"') {
+        char c = *jp++;
+        if (c == '\\' && *jp) {
+            c = *jp++;
+            if (c == 'n') c = '\n'; else if (c == 't') c = '\t';
+            else if (c == 'u') { c = '?'; for (int i = 0; i < 4 && *jp; i++) jp++; }
+        }
+        if (len + 2 > cap) { cap *= 2; out = realloc(out, cap); }
+        out[len++] = c;
+    }
+    (void)start;
+    if (*jp != '"') { jerr = 1; free(out); return NULL; }
+    jp++;
+    out[len] = 0;
+    return out;
+}
+
+static jnode *jvalue(void);
+
+static jnode *jnew(jtype t) { jnode *n = calloc(1, sizeof *n); n->type = t; return n; }
+
+static jnode *jcontainer(jtype t, char close) {
+    jnode *n = jnew(t), **tail = &n->child;
+    jp++;
+    jskip();
+    if (*jp == close) { jp++; return n; }
+    for (;;) {
+        jskip();
+        char *key = NULL;
+        if (t == J_OBJ) {
+            key = jstring();
+            if (jerr) return n;
+            jskip();
+            if (*jp != ':') { jerr = 1; free(key); return n; }
+            jp++;
+        }
+        jnode *v = jvalue();
+        if (!v) { free(key); return n; }
+        v->key = key;
+        *tail = v;
+        tail = &v->next;
+        jskip();
+        if (*jp == ',') { jp++; continue; }
+        if (*jp == close) { jp++; return n; }
+        jerr = 1;
+        return n;
+    }
+}
+
+static jnode *jvalue(void) {
+    jskip();
+    if (*jp == '{') return jcontainer(J_OBJ, '}');
+    if (*jp == '[') return jcontainer(J_ARR, ']');
+    if (*jp == '"') { jnode *n = jnew(J_STR); n->str = jstring(); return n; }
+    if (!strncmp(jp, "true", 4)) { jp += 4; jnode *n = jnew(J_BOOL); n->num = 1; return n; }
+    if (!strncmp(jp, "false", 5)) { jp += 5; return jnew(J_BOOL); }
+    if (!strncmp(jp, "null", 4)) { jp += 4; return jnew(J_NULL); }
+    char *end;
+    double d = strtod(jp, &end);
+    if (end == jp) { jerr = 1; return NULL; }
+    jp = end;
+    jnode *n = jnew(J_NUM);
+    n->num = d;
+    return n;
+}
+
+static void jfree(jnode *n) {
+    while (n) {
+        jnode *next = n->next;
+        jfree(n->child);
+        free(n->str);
+        free(n->key);
+        free(n);
+        n = next;
+    }
+}
+
+static jnode *jget(const jnode *obj, const char *key) {
+    if (!obj || obj->type != J_OBJ) return NULL;
+    for (jnode *c = obj->child; c; c = c->next)
+        if (c->key && !strcmp(c->key, key)) return c;
+    return NULL;
+}
+
+static jnode *jat(const jnode *arr, int i) {
+    if (!arr || arr->type != J_ARR) return NULL;
+    jnode *c = arr->child;
+    while (c && i-- > 0) c = c->next;
+    return c;
+}
+
+static int jlen(const jnode *arr) {
+    int n = 0;
+    if (arr && arr->type == J_ARR) for (jnode *c = arr->child; c; c = c->next) n++;
+    return n;
+}
+
+/* ---- state ---- */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static jnode *state;
+static int state_present;
+static struct stat state_stat;
+static int initialized;
+static unsigned xid_delivered[MAX_GPUS];
+
+static int code_of(const char *name) {
+    if (!strcmp(name, "gpu_is_lost")) return ERR_GPU_IS_LOST;
+    if (!strcmp(name, "not_supported")) return ERR_NOT_SUPPORTED;
+    if (!strcmp(name, "driver_not_loaded")) return ERR_DRIVER_NOT_LOADED;
+    if (!strcmp(name, "not_found")) return ERR_NOT_FOUND;
+    return ERR_UNKNOWN;
+}
+
+/* Re-reads the state file if it changed; caller holds the lock. */
+static void refresh(void) {
+    const char *path = getenv("FAKE_NVML_STATE");
+    struct stat st;
+    if (!path || stat(path, &st) != 0) {
+        state_present = 0;
+        return;
+    }
+    if (state_present && st.st_ino == state_stat.st_ino && st.st_size == state_stat.st_size &&
+        st.st_mtim.tv_sec == state_stat.st_mtim.tv_sec && st.st_mtim.tv_nsec == state_stat.st_mtim.tv_nsec)
+        return;
+    FILE *f = fopen(path, "rb");
+    if (!f) { state_present = 0; return; }
+    char *buf = malloc(st.st_size + 1);
+    size_t got = fread(buf, 1, st.st_size, f);
+    fclose(f);
+    buf[got] = 0;
+    jp = buf;
+    jerr = 0;
+    jnode *parsed = jvalue();
+    free(buf);
+    if (jerr || !parsed || parsed->type != J_OBJ) {
+        /* A half-written file: keep the last good state and try again on the next call. */
+        jfree(parsed);
+        return;
+    }
+    jfree(state);
+    state = parsed;
+    state_present = 1;
+    state_stat = st;
+}
+
+static int gpu_count(void) { return jlen(jget(state, "gpus")); }
+
+static double num_or(const jnode *obj, const char *key, double dflt) {
+    const jnode *n = jget(obj, key);
+    return n && (n->type == J_NUM || n->type == J_BOOL) ? n->num : dflt;
+}
+
+static const char *str_or(const jnode *obj, const char *key, const char *dflt) {
+    const jnode *n = jget(obj, key);
+    return n && n->type == J_STR ? n->str : dflt;
+}
+
+static int is_unsupported(const jnode *gpu, const char *field) {
+    const jnode *list = jget(gpu, "unsupported");
+    for (int i = 0; i < jlen(list); i++) {
+        const jnode *s = jat(list, i);
+        if (s->type == J_STR && !strcmp(s->str, field)) return 1;
+    }
+    return 0;
+}
+
+static int handle_index(void *device) { return (int)((uintptr_t)device - 0x1000); }
+
+/* Locks, refreshes and resolves the device; on success returns OK with the lock held. */
+static nvmlReturn_t enter(void *device, const char *field, const jnode **gpu_out) {
+    pthread_mutex_lock(&lock);
+    if (!initialized) { pthread_mutex_unlock(&lock); return ERR_UNINITIALIZED; }
+    refresh();
+    if (!state_present) { pthread_mutex_unlock(&lock); return ERR_GPU_IS_LOST; }
+    int idx = handle_index(device);
+    const jnode *gpu = jat(jget(state, "gpus"), idx);
+    if (idx < 0 || !gpu) { pthread_mutex_unlock(&lock); return ERR_GPU_IS_LOST; }
+    const char *err = str_or(gpu, "error", NULL);
+    if (err) { pthread_mutex_unlock(&lock); return code_of(err); }
+    if (field && is_unsupported(gpu, field)) { pthread_mutex_unlock(&lock); return ERR_NOT_SUPPORTED; }
+    *gpu_out = gpu;
+    return OK;
+}
+
+static void leave(void) { pthread_mutex_unlock(&lock); }
+
+static void copy_str(char *dst, unsigned size, const char *src) {
+    if (!size) return;
+    snprintf(dst, size, "%s", src);
+}
+
+/* ---- the NVML API ---- */
+nvmlReturn_t nvmlInitWithFlags(unsigned flags) {
+    (void)flags;
+    pthread_mutex_lock(&lock);
+    refresh();
+    nvmlReturn_t rc = OK;
+    if (!state_present) rc = ERR_DRIVER_NOT_LOADED;
+    else if (str_or(state, "init_error", NULL)) rc = code_of(str_or(state, "init_error", ""));
+    else initialized = 1;
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
+
+nvmlReturn_t nvmlShutdown(void) {
+    pthread_mutex_lock(&lock);
+    initialized = 0;
+    pthread_mutex_unlock(&lock);
+    return OK;
+}
+
+const char *nvmlErrorString(nvmlReturn_t rc) {
+    switch (rc) {
+    case OK: return "Success";
+    case ERR_UNINITIALIZED: return "Uninitialized";
+    case ERR_NOT_SUPPORTED: return "Not Supported";
+    case ERR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case ERR_TIMEOUT: return "Timeout";
+    case ERR_GPU_IS_LOST: return "GPU is lost";
+    case ERR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    default: return "Unknown Error";
+    }
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned length) {
+    pthread_mutex_lock(&lock);
+    refresh();
+    copy_str(version, length, str_or(state, "driver_version", "550.54.15"));
+    pthread_mutex_unlock(&lock);
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned *count) {
+    pthread_mutex_lock(&lock);
+    nvmlReturn_t rc = OK;
+    refresh();
+    if (!initialized) rc = ERR_UNINITIALIZED;
+    else if (!state_present) rc = ERR_UNKNOWN;
+    else *count = (unsigned)gpu_count();
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned index, void **device) {
+    pthread_mutex_lock(&lock);
+    refresh();
+    nvmlReturn_t rc = OK;
+    if (!initialized) rc = ERR_UNINITIALIZED;
+    else if (!state_present) rc = ERR_GPU_IS_LOST;
+    else if ((int)index >= gpu_count()) rc = ERR_INVALID_ARGUMENT;
+    else *device = (void *)(uintptr_t)(0x1000 + index);
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+#define DEVICE_GETTER(fname, field, body)                              \
+    nvmlReturn_t fname {                                               \
+        const jnode *gpu;                                              \
+        nvmlReturn_t rc = enter(device, field, &gpu);                  \
+        if (rc != OK) return rc;                                       \
+        body;                                                          \
+        leave();                                                       \
+        return OK;                                                     \
+    }
+
+DEVICE_GETTER(nvmlDeviceGetName(void *device, char *name, unsigned length), NULL,
+              copy_str(name, length, str_or(gpu, "name", "NVIDIA H100 80GB HBM3")))
+DEVICE_GETTER(nvmlDeviceGetUUID(void *device, char *uuid, unsigned length), NULL,
+              copy_str(uuid, length, str_or(gpu, "uuid", "GPU-00000000-0000-0000-0000-000000000000")))
+
+typedef struct {
+    char busIdLegacy[16];
+    unsigned domain, bus, device, pciDeviceId, pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+
+DEVICE_GETTER(nvmlDeviceGetPciInfo_v3(void *device, nvmlPciInfo_t *pci), NULL, {
+    memset(pci, 0, sizeof *pci);
+    copy_str(pci->busId, sizeof pci->busId, str_or(gpu, "pci_bus_id", "00000000:00:00.0"));
+    copy_str(pci->busIdLegacy, sizeof pci->busIdLegacy, str_or(gpu, "pci_bus_id", "0000:00:00.0"));
+})
+
+typedef struct { unsigned gpu, memory; } nvmlUtilization_t;
+DEVICE_GETTER(nvmlDeviceGetUtilizationRates(void *device, nvmlUtilization_t *u), "utilization", {
+    u->gpu = (unsigned)num_or(gpu, "utilization_gpu", 0);
+    u->memory = (unsigned)num_or(gpu, "utilization_memory", 0);
+})
+
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+DEVICE_GETTER(nvmlDeviceGetMemoryInfo(void *device, nvmlMemory_t *m), "memory", {
+    m->total = (unsigned long long)num_or(gpu, "memory_total_bytes", 85899345920.0);
+    m->used = (unsigned long long)num_or(gpu, "memory_used_bytes", 0);
+    m->free = m->total > m->used ? m->total - m->used : 0;
+})
+
+DEVICE_GETTER(nvmlDeviceGetTemperature(void *device, int sensor, unsigned *temp), "temperature", {
+    (void)sensor;
+    *temp = (unsigned)num_or(gpu, "temperature_celsius", 40);
+})
+DEVICE_GETTER(nvmlDeviceGetPowerUsage(void *device, unsigned *mw), "power",
+              *mw = (unsigned)num_or(gpu, "power_milliwatts", 70000))
+DEVICE_GETTER(nvmlDeviceGetTotalEnergyConsumption(void *device, unsigned long long *mj), "energy",
+              *mj = (unsigned long long)num_or(gpu, "energy_millijoules", 0))
+DEVICE_GETTER(nvmlDeviceGetClockInfo(void *device, int type, unsigned *mhz), "clocks",
+              *mhz = (unsigned)num_or(gpu, type == 1 ? "sm_clock_mhz" : "memory_clock_mhz", 0))
+DEVICE_GETTER(nvmlDeviceGetCurrentClocksEventReasons(void *device, unsigned long long *reasons),
+              "clocks_event_reasons",
+              *reasons = (unsigned long long)num_or(gpu, "clocks_event_reasons", 0))
+DEVICE_GETTER(nvmlDeviceGetPcieThroughput(void *device, int counter, unsigned *kbps), "pcie",
+              *kbps = (unsigned)num_or(gpu, counter == 0 ? "pcie_tx_kbps" : "pcie_rx_kbps", 0))
+DEVICE_GETTER(nvmlDeviceGetTotalEccErrors(void *device, int error_type, int counter_type,
+                                          unsigned long long *count), "ecc", {
+    (void)counter_type;
+    *count = (unsigned long long)num_or(gpu, error_type == 0 ? "ecc_corrected" : "ecc_uncorrected", 0);
+})
+DEVICE_GETTER(nvmlDeviceGetSupportedEventTypes(void *device, unsigned long long *types), "events",
+              *types = XID_EVENT)
+
+typedef struct {
+    unsigned pid;
+    unsigned long long usedGpuMemory;
+    unsigned gpuInstanceId, computeInstanceId;
+} nvmlProcessInfo_t;
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(void *device, unsigned *count, nvmlProcessInfo_t *infos) {
+    const jnode *gpu;
+    nvmlReturn_t rc = enter(device, "processes", &gpu);
+    if (rc != OK) return rc;
+    const jnode *procs = jget(gpu, "processes");
+    unsigned n = (unsigned)jlen(procs);
+    if (n == 0) { *count = 0; leave(); return OK; }
+    if (!infos || *count < n) { *count = n; leave(); return ERR_INSUFFICIENT_SIZE; }
+    for (unsigned i = 0; i < n; i++) {
+        const jnode *p = jat(procs, (int)i);
+        infos[i].pid = (unsigned)num_or(p, "pid", 0);
+        infos[i].usedGpuMemory = (unsigned long long)num_or(p, "used_memory_bytes", 0);
+        infos[i].gpuInstanceId = 0xFFFFFFFF;
+        infos[i].computeInstanceId = 0xFFFFFFFF;
+    }
+    *count = n;
+    leave();
+    return OK;
+}
+
+/* ---- XID events: each entry of a GPU's "xid_events" list is delivered once, in order ---- */
+typedef struct { unsigned long long mask[MAX_GPUS]; } event_set;
+
+typedef struct {
+    void *device;
+    unsigned long long eventType, eventData;
+    unsigned gpuInstanceId, computeInstanceId;
+} nvmlEventData_t;
+
+nvmlReturn_t nvmlEventSetCreate(event_set **set) {
+    *set = calloc(1, sizeof **set);
+    return OK;
+}
+
+nvmlReturn_t nvmlEventSetFree(event_set *set) {
+    free(set);
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(void *device, unsigned long long types, event_set *set) {
+    const jnode *gpu;
+    nvmlReturn_t rc = enter(device, "events", &gpu);
+    if (rc != OK) return rc;
+    int idx = handle_index(device);
+    if (idx < MAX_GPUS) set->mask[idx] |= types & XID_EVENT;
+    leave();
+    return OK;
+}
+
+static int next_event(event_set *set, nvmlEventData_t *data) {
+    const jnode *gpus = jget(state, "gpus");
+    for (int i = 0; i < jlen(gpus) && i < MAX_GPUS; i++) {
+        if (!(set->mask[i] & XID_EVENT)) continue;
+        const jnode *events = jget(jat(gpus, i), "xid_events");
+        if ((unsigned)jlen(events) <= xid_delivered[i]) continue;
+        data->device = (void *)(uintptr_t)(0x1000 + i);
+        data->eventType = XID_EVENT;
+        data->eventData = (unsigned long long)jat(events, (int)xid_delivered[i])->num;
+        data->gpuInstanceId = data->computeInstanceId = 0xFFFFFFFF;
+        xid_delivered[i]++;
+        return 1;
+    }
+    return 0;
+}
+
+nvmlReturn_t nvmlEventSetWait_v2(event_set *set, nvmlEventData_t *data, unsigned timeout_ms) {
+    struct timespec step = {0, 20 * 1000 * 1000};
+    for (unsigned waited = 0;; waited += 20) {
+        pthread_mutex_lock(&lock);
+        refresh();
+        int got = state_present && initialized && next_event(set, data);
+        int lost = !state_present;
+        pthread_mutex_unlock(&lock);
+        if (got) return OK;
+        if (lost) return ERR_GPU_IS_LOST;
+        if (waited >= timeout_ms) return ERR_TIMEOUT;
+        nanosleep(&step, NULL);
+    }
+}

@@ -1,0 +1,210 @@
+"""Shared test helpers: the simulated GPU, free ports, and the real agent run as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+FAKENVML = TESTS / "fakenvml"
+FIXTURES = TESTS / "fixtures"
+
+
+def build_fakenvml() -> Path:
+    subprocess.run(["make", "-s", "-C", str(FAKENVML)], check=True)
+    return FAKENVML
+
+
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu(index: int, **overrides: Any) -> dict[str, Any]:
+    """One simulated GPU with deterministic readings."""
+    state = {
+        "name": "NVIDIA H100 80GB HBM3",
+        "uuid": f"GPU-{index:08d}-1111-2222-3333-444444444444",
+        "pci_bus_id": f"00000000:{0x18 + index:02X}:00.0",
+        "utilization_gpu": 95,
+        "utilization_memory": 41,
+        "memory_total_bytes": 85899345920,
+        "memory_used_bytes": 40 * 2**30 + index,
+        "temperature_celsius": 61 + index,
+        "power_milliwatts": 350125,
+        "energy_millijoules": 123456789 + index,
+        "sm_clock_mhz": 1980,
+        "memory_clock_mhz": 2619,
+        "clocks_event_reasons": 0x4 if index == 1 else 0,
+        "pcie_tx_kbps": 1000 + index,
+        "pcie_rx_kbps": 2000 + index,
+        "ecc_corrected": 3,
+        "ecc_uncorrected": 0,
+        "processes": [],
+        "xid_events": [],
+    }
+    state.update(overrides)
+    return state
+
+
+class GpuState:
+    """The JSON file the simulated libnvidia-ml.so.1 reads; rewrite it to script the GPUs."""
+
+    def __init__(self, path: Path, gpus: list[dict[str, Any]] | None = None, driver: str = "550.54.15"):
+        self.path = path
+        self.state: dict[str, Any] = {"driver_version": driver, "gpus": gpus if gpus is not None else []}
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state))
+        os.replace(tmp, self.path)
+
+    def update_gpu(self, index: int, **fields: Any) -> None:
+        self.state["gpus"][index].update(fields)
+        self.write()
+
+    def env(self) -> dict[str, str]:
+        return {"FAKE_NVML_STATE": str(self.path), "LD_LIBRARY_PATH": str(FAKENVML)}
+
+
+def http(method: str, url: str, body: Any = None, token: str | None = None,
+         timeout: float = 10) -> tuple[int, Any]:
+    """(status, parsed JSON or text) of one request; HTTP errors are returned, not raised."""
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    request = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, raw, ctype = response.status, response.read(), response.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as exc:
+        status, raw, ctype = exc.code, exc.read(), exc.headers.get("Content-Type", "")
+    return status, json.loads(raw) if "json" in ctype else raw.decode()
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1, message: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(interval)
+
+
+class AgentProcess:
+    """``tfprofd run`` as a real subprocess on free loopback ports."""
+
+    def __init__(self, tmp: Path, args: list[str] | None = None, env: dict[str, str] | None = None,
+                 fixtures: bool = True):
+        self.tmp = tmp
+        self.port, self.api_port, self.hook_port = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
+        self.args = [
+            "--listen", f"127.0.0.1:{self.port}",
+            "--api.listen", f"127.0.0.1:{self.api_port}",
+            "--hook.listen", f"127.0.0.1:{self.hook_port}",
+            "--state-dir", str(tmp / "state"),
+            "--interval", "0.2",
+        ]
+        if fixtures:
+            self.args += ["--procfs-path", str(FIXTURES / "proc"), "--sysfs-path", str(FIXTURES / "sys")]
+        self.args += args or []
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env.pop("TFPROFD_CONFIG", None)
+        self.log_path = tmp / f"agent-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}/api/v1"
+
+    def start(self, wait: bool = True) -> AgentProcess:
+        self.log_file = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tfprofd.daemon", "run", *self.args],
+                                     env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT)
+        if wait:
+            wait_for(self._ready, 20, message=f"agent to serve (log: {self.log()})")
+        return self
+
+    def _ready(self) -> bool:
+        if self.proc and self.proc.poll() is not None:
+            raise AssertionError(f"agent exited with {self.proc.returncode}: {self.log()}")
+        try:
+            return http("GET", self.url + "/healthz", timeout=1)[0] in (200, 503)
+        except OSError:
+            return False
+
+    def scrape(self) -> str:
+        status, text = http("GET", self.url + "/metrics")
+        assert status == 200, text
+        return text
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 5) -> float:
+        """SIGTERM and wait; returns how long the agent took to exit."""
+        if not self.proc or self.proc.poll() is not None:
+            return 0.0
+        started = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log_file.close()
+        return time.monotonic() - started
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of one series in an exposition text, or None if absent."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        series, _, value = line.rpartition(" ")
+        metric, _, label_text = series.partition("{")
+        if metric != name:
+            continue
+        found = dict(part.split("=", 1) for part in _split_labels(label_text.rstrip("}")))
+        if all(found.get(k) == f'"{v}"' for k, v in labels.items()):
+            return float(value)
+    return None
+
+
+def _split_labels(text: str) -> list[str]:
+    parts, current, quoted = [], "", False
+    for ch in text:
+        if ch == '"' and not current.endswith("\\"):
+            quoted = not quoted
+        if ch == "," and not quoted:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    if current:
+        parts.append(current)
+    return parts
