@@ -7,14 +7,11 @@ import html
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import psutil
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import Metric
-from prometheus_client.exposition import choose_encoder
 
 from tfprofd.exporter.base import Clock, Collector, HostPaths
 from tfprofd.exporter.cpu import CpuCollector
@@ -26,6 +23,7 @@ from tfprofd.exporter.selfstats import SampleStatus, SelfCollector
 
 from . import __version__, logs
 from . import config as configmod
+from .exposition import CONTENT_TYPE, render
 from .httpserver import HttpServer, Request, Response, Router, json_response
 from .sampler import CollectorRunner
 
@@ -45,8 +43,7 @@ class Agent:
         self.nvml_module = nvml
         self.collectors: dict[str, Collector] = {}
         self.runners: dict[str, CollectorRunner] = {}
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Exposition(self))
+        self._rendered: dict[str, tuple[float, bytes]] = {}
         self.self_collector = SelfCollector(__version__, self.statuses)
         self._stopping = threading.Event()
         self._wake = threading.Event()
@@ -108,27 +105,41 @@ class Agent:
                 log.info("collector %s disabled", name)
 
     def _after_sample(self, name: str) -> None:
-        """Hook for rules that evaluate on every sample (set by later layers)."""
+        """Render right after sampling, in the sampler's thread, so a scrape only joins bytes."""
+        collector = self.collectors.get(name)
+        if collector is not None:
+            self._rendered_part(name, collector)
 
     def statuses(self) -> dict[str, SampleStatus]:
         return {name: runner.status for name, runner in list(self.runners.items())}
 
-    def collect_all(self) -> Iterator[Metric]:
-        yield from self.self_collector.collect()
-        for name, collector in list(self.collectors.items()):
+    def _rendered_part(self, name: str, collector: Collector) -> bytes | None:
+        """The collector's metrics text, rendered once per version of its data."""
+        version = collector.version
+        cached = self._rendered.get(name)
+        if cached is None or cached[0] != version:
             try:
-                families = list(collector.collect())
+                cached = (version, render(collector.collect()))
             except Exception:  # a broken collect() must not break the scrape
                 log.exception("collector %s failed to render metrics", name)
                 self.runners[name].status.success = False
-                continue
-            yield from families
+                return None
+            self._rendered[name] = cached
+        return cached[1]
+
+    def exposition(self) -> bytes:
+        """The metrics text: the self metrics, then every collector's latest rendering."""
+        parts = [render(self.self_collector.collect())]
+        for name, collector in list(self.collectors.items()):
+            part = self._rendered_part(name, collector)
+            if part is not None:
+                parts.append(part)
+        return b"".join(parts)
 
     # ---- HTTP ----
 
     def _metrics(self, request: Request) -> Response:
-        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(200, encoder(self.registry), content_type)
+        return Response(200, self.exposition(), CONTENT_TYPE)
 
     def _healthz(self, request: Request) -> Response:
         now, stale_after = self.clock.time(), max(3 * self.cfg["interval"], 10.0)
@@ -239,14 +250,4 @@ class Agent:
         for collector in self.collectors.values():
             collector.close()
         log.info("tfprofd stopped")
-
-
-class _Exposition:
-    """Adapts the agent to prometheus_client's registry: every scrape renders the latest samples."""
-
-    def __init__(self, agent: Agent):
-        self.agent = agent
-
-    def collect(self) -> Iterator[Metric]:
-        return self.agent.collect_all()
 

@@ -340,7 +340,7 @@ def load(
     values = {key: _validate(OPTIONS_BY_KEY[key], loc, problems) for key, loc in raw.items()
               if key in OPTIONS_BY_KEY}
     extra = {key: loc.value for key, loc in raw.items() if key not in OPTIONS_BY_KEY}
-    if not problems and values["listen"] == values["api.listen"]:
+    if not problems and values["listen"] == values["api.listen"] and values["listen"][1] != 0:
         problems.append(Problem(raw["api.listen"].source, "api.listen",
                                 "must differ from listen: /metrics and the control API are separate listeners"))
     config = Config(values=values, path=path, extra=extra)

@@ -46,6 +46,7 @@ class CollectorRunner:
         except Exception as exc:  # a collector's failure must never stop the loop
             ok, error = False, f"{type(exc).__name__}: {exc}"
             self.collector.clear()
+        self.collector.version += 1
         self.status = SampleStatus(success=bool(ok), duration=self.clock.monotonic() - started,
                                    timestamp=self.clock.time())
         if error and not self._failing_since_logged:

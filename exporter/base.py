@@ -53,6 +53,7 @@ class Collector:
     """Base of every collector: subclasses implement ``sample()`` and ``collect()``."""
 
     name: str = ""
+    version: int = 0  # bumped whenever the data behind collect() changes; keys the rendered-text cache
 
     def sample(self) -> bool:
         """Read the system and keep the result. Return False on a partial failure; raise on a full one."""

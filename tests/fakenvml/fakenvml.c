@@ -437,8 +437,8 @@ static int next_event(event_set *set, nvmlEventData_t *data) {
 }
 
 nvmlReturn_t nvmlEventSetWait_v2(event_set *set, nvmlEventData_t *data, unsigned timeout_ms) {
-    struct timespec step = {0, 20 * 1000 * 1000};
-    for (unsigned waited = 0;; waited += 20) {
+    struct timespec step = {0, 100 * 1000 * 1000};
+    for (unsigned waited = 0;; waited += 100) {
         pthread_mutex_lock(&lock);
         refresh();
         int got = state_present && initialized && next_event(set, data);

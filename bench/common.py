@@ -1,0 +1,74 @@
+"""Helpers shared by the benchmarks: processes, ports, percentiles, /proc readings."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from helpers import GpuState, build_fakenvml, free_port, gpu  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_http(url: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer")
+
+
+def start_agent(tmp: Path, gpus: int, interval: str = "1s", extra: list[str] | None = None,
+                env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    build_fakenvml()
+    state = GpuState(tmp / "nvml.json", [gpu(i) for i in range(gpus)])
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tfprofd.daemon", "run", "--listen", f"127.0.0.1:{port}",
+         "--api.listen", f"127.0.0.1:{free_port()}", "--hook.listen", f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}",
+         "--state-dir", str(tmp / "state"), "--interval", interval, *(extra or [])],
+        env={**os.environ, **state.env(), **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_http(f"http://127.0.0.1:{port}/metrics")
+    return proc, port
+
+
+def start_node_exporter() -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen(["prometheus-node-exporter", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_http(f"http://127.0.0.1:{port}/metrics")
+    return proc, port
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
