@@ -20,6 +20,7 @@ from tfprofd.exporter.memory import MemoryCollector
 from tfprofd.exporter.network import NetworkCollector
 from tfprofd.exporter.nvml import NvmlCollector
 from tfprofd.exporter.selfstats import SampleStatus, SelfCollector
+from tfprofd.exporter.training import TrainingCollector
 
 from . import __version__, logs
 from . import config as configmod
@@ -29,7 +30,8 @@ from .sampler import CollectorRunner
 
 log = logging.getLogger("tfprofd.agent")
 
-HOST_COLLECTORS = ("nvml", "cpu", "memory", "disk", "network")
+RESTART_ONLY = ("listen", "api.listen", "hook.listen")
+COLLECTORS = ("nvml", "cpu", "memory", "disk", "network", "training")
 
 
 class Agent:
@@ -67,6 +69,13 @@ class Agent:
             c.pcie_interval = cfg["collectors.nvml.pcie_interval"]
             c.retry_interval = cfg["collectors.nvml.retry_interval"]
             return c
+        if name == "training":
+            t = existing if isinstance(existing, TrainingCollector) else TrainingCollector(
+                cfg["hook.listen"], clock=self.clock, gpu_processes=self.gpu_processes)
+            t.max_bytes = cfg["hook.max_datagram_bytes"]
+            t.down_after = cfg["collectors.training.down_after"]
+            t.expire_after = cfg["collectors.training.expire_after"]
+            return t
         if name == "cpu":
             c = existing if isinstance(existing, CpuCollector) else CpuCollector(self.paths())
         elif name == "memory":
@@ -84,13 +93,20 @@ class Agent:
         c.paths = self.paths()
         return c
 
+    def gpu_processes(self) -> list[tuple[int, str, list[int]]]:
+        """(index, uuid, pids) per GPU from the latest NVML sample."""
+        nvml = self.collectors.get("nvml")
+        if not isinstance(nvml, NvmlCollector):
+            return []
+        return [(g.index, g.uuid, [pid for pid, _ in g.processes]) for g in nvml.gpus]
+
     def enabled(self, name: str) -> bool:
         return bool(self.cfg[f"collectors.{name}.enabled"])
 
     def _apply(self) -> None:
         """Start, update and stop collector runners to match the current config."""
         psutil.PROCFS_PATH = self.cfg["procfs_path"]
-        for name in HOST_COLLECTORS:
+        for name in COLLECTORS:
             if self.enabled(name):
                 self.collectors[name] = self._configure(name)
                 if name not in self.runners:
@@ -191,8 +207,8 @@ class Agent:
             self._apply()
         self.metrics_server.start()
         self.api_server.start()
-        log.info("tfprofd %s serving metrics on %s:%d, control API on %s:%d", __version__,
-                 *self.metrics_server.address, *self.api_server.address)
+        log.info("tfprofd %s serving metrics on %s:%d, control API on %s:%d, hook reports on %s:%d/udp",
+                 __version__, *self.metrics_server.address, *self.api_server.address, *self.cfg["hook.listen"])
 
     def reload(self) -> bool:
         """Re-read the config; on any problem keep the running one and log every problem."""
@@ -205,10 +221,10 @@ class Agent:
                 log.error("config reload rejected: %s", problem)
             return False
         with self._lock:
-            for key in ("listen", "api.listen"):
+            for key in RESTART_ONLY:
                 if new[key] != self.cfg[key]:
                     log.warning("%s changed; it takes effect after a restart", key)
-            new.values["listen"], new.values["api.listen"] = self.cfg["listen"], self.cfg["api.listen"]
+                new.values[key] = self.cfg[key]
             self.cfg = new
             logs.setup(new["log_level"])
             self._apply()

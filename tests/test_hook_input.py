@@ -1,0 +1,127 @@
+"""The agent's side of the hook protocol: validation, and a fuzz of malformed datagrams."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+
+import pytest
+
+from tfprofd.exporter.hook import Reporter
+from tfprofd.exporter.training import REJECT_REASONS, Rejected, parse_report
+
+from helpers import metric_value, wait_for
+
+
+def valid(**overrides) -> dict:
+    reporter = Reporter(job="j", worker="0", profiler=False)
+    reporter.record(3, 96, 0.03)
+    report = reporter.report()
+    report.update(overrides)
+    return report
+
+
+def encode(report: dict) -> bytes:
+    return json.dumps(report).encode()
+
+
+def test_a_valid_report_parses():
+    report = parse_report(encode(valid()), 8192)
+    assert (report.job, report.steps, report.samples, report.step_count) == ("j", 3, 96, 3)
+
+
+@pytest.mark.parametrize(("payload", "reason"), [
+    (b"\xff\xfe garbage", "malformed_json"),
+    (b'{"v": 1, "job": "j"', "malformed_json"),
+    (b"[1, 2, 3]", "not_an_object"),
+    (encode(valid(v=2)), "unknown_version"),
+    (encode(valid(steps=-1)), "invalid_field"),
+    (encode(valid(samples=10**30)), "invalid_field"),
+    (encode(valid(steps="12")), "invalid_field"),
+    (encode(valid(job="")), "invalid_field"),
+    (encode(valid(job="a b")), "invalid_field"),
+    (encode(valid(phase="sleeping")), "invalid_field"),
+    (encode(valid(pid=True)), "invalid_field"),
+    (encode(valid(step_seconds={"count": 1, "sum": 0.1, "buckets": [1, 0] + [0] * 13})), "invalid_field"),
+    (encode(valid(profiler="not an address")), "invalid_field"),
+    (b"{" + b" " * 9000 + b"}", "too_large"),
+])
+def test_malformed_reports_are_rejected_with_a_reason(payload, reason):
+    with pytest.raises(Rejected) as info:
+        parse_report(payload, 8192)
+    assert info.value.reason == reason
+
+
+def test_fuzzed_datagrams_never_crash_the_agent_and_are_counted(agents):
+    agent = agents()
+    rng = random.Random(1234)
+    sent: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
+    payloads: list[tuple[bytes, str]] = []
+    for _ in range(150):
+        payloads.append((rng.randbytes(rng.randint(1, 2000)), "malformed_json"))
+    base = encode(valid())
+    for cut in range(1, len(base) - 1, 7):
+        payloads.append((base[:cut], "malformed_json"))
+    for bad in ({"steps": 2**64}, {"samples": -5}, {"epoch": 1.5}, {"worker": None}, {"time": "now"},
+                {"step_seconds": []}, {"pid": 0}, {"seq": -1}):
+        payloads.append((encode(valid(**bad)), "invalid_field"))
+    payloads.append((b"x" * 65000, "too_large"))
+    payloads.append((encode(valid(v="1")), "unknown_version"))
+    payloads.append((b"null", "not_an_object"))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for i, (payload, reason) in enumerate(payloads):
+            sock.sendto(payload, ("127.0.0.1", agent.hook_port))
+            sent[reason] += 1
+            if i % 20 == 0:
+                time.sleep(0.005)  # UDP on loopback still drops when a receive buffer overflows
+        sock.sendto(encode(valid(job="fine")), ("127.0.0.1", agent.hook_port))
+
+    def all_counted():
+        text = agent.scrape()
+        return all(metric_value(text, "tfprofd_hook_reports_rejected_total", reason=r) == n for r, n in sent.items())
+
+    wait_for(all_counted, 10, message=f"rejections counted by reason: {sent}")
+    text = agent.scrape()
+    assert metric_value(text, "tfprofd_hook_reports_total") == 1
+    assert metric_value(text, "tfprofd_training_samples_total", training_job="fine") == 96
+    assert agent.proc.poll() is None
+
+
+def test_stale_and_decreasing_reports_are_rejected(agents):
+    agent = agents()
+    reporter = Reporter(job="order", worker="0", profiler=False, addr=f"127.0.0.1:{agent.hook_port}")
+    reporter.record(10, 320, 0.1)
+    first = reporter.report()
+    reporter.record(10, 320, 0.1)
+    second = reporter.report()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for payload in (first, second, first, {**second, "seq": 99, "steps": 1}):
+            sock.sendto(encode(payload), ("127.0.0.1", agent.hook_port))
+    wait_for(lambda: metric_value(agent.scrape(), "tfprofd_hook_reports_rejected_total", reason="counter_decreased")
+             == 1, 5, message="decrease rejected")
+    text = agent.scrape()
+    assert metric_value(text, "tfprofd_hook_reports_rejected_total", reason="stale") == 1
+    assert metric_value(text, "tfprofd_training_steps_total", training_job="order") == 20
+
+
+def test_a_restarted_training_process_continues_the_job_counters(agents):
+    agent = agents()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(encode(valid(job="again", pid=100, steps=50, samples=1600)), ("127.0.0.1", agent.hook_port))
+        sock.sendto(encode(valid(job="again", pid=200, steps=5, samples=160)), ("127.0.0.1", agent.hook_port))
+    wait_for(lambda: metric_value(agent.scrape(), "tfprofd_training_samples_total", training_job="again") == 1760,
+             5, message="counters carried over")
+
+
+def test_reporter_never_blocks_or_raises_without_an_agent():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reporter = Reporter(job="alone", profiler=False, addr=f"127.0.0.1:{port}")
+    for _ in range(5):
+        with reporter.step(batch_size=8):
+            pass
+        reporter.flush()
+    assert reporter.steps == 5 and reporter.samples == 40
