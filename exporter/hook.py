@@ -8,7 +8,7 @@ Keras::
 Custom training loop::
 
     from tfprofd.exporter.hook import Reporter
-    reporter = Reporter(job="resnet")
+    reporter = Reporter.shared(job="resnet")
     for x, y in dataset:
         with reporter.step(batch_size=len(x)):
             train_step(x, y)
@@ -41,6 +41,8 @@ PHASES = ("train", "evaluate", "predict", "idle")
 
 _profiler_address: str | None = None
 _profiler_lock = threading.Lock()
+_reporters: dict[tuple[str, str], Reporter] = {}
+_reporters_lock = threading.Lock()
 
 
 def _process_start_time() -> float:
@@ -99,7 +101,24 @@ def _free_port() -> int:
 
 
 class Reporter:
-    """Counts training steps and samples and reports them to the agent from a background thread."""
+    """Counts training steps and samples and reports them to the agent from a background thread.
+
+    Use ``Reporter.shared(job, worker)`` to get the process's one reporter for a job: two reporters of
+    one job in one process would send conflicting reports.
+    """
+
+    @classmethod
+    def shared(cls, job: str | None = None, worker: str | None = None, **kwargs: Any) -> Reporter:
+        """The process's reporter for (job, worker), created on first use."""
+        job = job or os.environ.get("TFPROFD_JOB") or _default_job()
+        worker = worker or _worker_from_tf_config() or "0"
+        with _reporters_lock:
+            reporter = _reporters.get((job, worker))
+            if reporter is None:
+                reporter = _reporters[(job, worker)] = cls(job=job, worker=worker, **kwargs)
+            elif kwargs.get("batch_size") is not None:
+                reporter.batch_size = kwargs["batch_size"]
+            return reporter
 
     def __init__(self, job: str | None = None, worker: str | None = None, batch_size: int | None = None,
                  addr: str | None = None, interval: float = 1.0, profiler: bool | None = None,
@@ -269,8 +288,9 @@ def _make_callback_class() -> type:
                      addr: str | None = None, profiler: bool | None = None, profiler_port: int | None = None,
                      step_markers: bool = True, interval: float = 1.0):
             super().__init__()
-            self.reporter = Reporter(job=job, worker=worker, batch_size=batch_size, addr=addr, interval=interval,
-                                     profiler=profiler, profiler_port=profiler_port, step_markers=step_markers)
+            self.reporter = Reporter.shared(job=job, worker=worker, batch_size=batch_size, addr=addr,
+                                            interval=interval, profiler=profiler, profiler_port=profiler_port,
+                                            step_markers=step_markers)
             self._samples_var: Any = None
             self._samples_var_base = 0
             self._iterations_base = 0
@@ -295,7 +315,7 @@ def _make_callback_class() -> type:
 
             def train_step(data: Any) -> Any:
                 first = tf.nest.flatten(data)[0]
-                counter.assign_add(tf.cast(tf.shape(first)[0], tf.int64))
+                counter.assign_add(tf.shape(first, out_type=tf.int64)[0])
                 return original(data)
 
             self.model.train_step = train_step

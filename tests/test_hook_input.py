@@ -125,3 +125,9 @@ def test_reporter_never_blocks_or_raises_without_an_agent():
             pass
         reporter.flush()
     assert reporter.steps == 5 and reporter.samples == 40
+
+
+def test_one_reporter_per_job_and_worker_in_a_process():
+    first = Reporter.shared(job="same", worker="0", profiler=False)
+    assert Reporter.shared(job="same", worker="0", profiler=False) is first
+    assert Reporter.shared(job="same", worker="1", profiler=False) is not first

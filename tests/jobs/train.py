@@ -77,7 +77,7 @@ def main() -> None:
         reporter = callback.reporter
         steps, samples = reporter.exact_counts()
     else:
-        reporter = Reporter(job=args.job)
+        reporter = Reporter.shared(job=args.job)
         optimizer = tf.keras.optimizers.SGD()
         loss_fn = tf.keras.losses.BinaryCrossentropy()
 
