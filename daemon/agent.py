@@ -24,8 +24,11 @@ from tfprofd.exporter.training import TrainingCollector
 
 from . import __version__, logs
 from . import config as configmod
+from .api import ControlApi, host_matcher
+from .captures import CaptureLimit, CaptureManager, Target
 from .exposition import CONTENT_TYPE, render
-from .httpserver import HttpServer, Request, Response, Router, json_response
+from .httpserver import HttpError, HttpServer, Request, Response, Router, json_response
+from .rules import Engine, Rule
 from .sampler import CollectorRunner
 
 log = logging.getLogger("tfprofd.agent")
@@ -54,6 +57,9 @@ class Agent:
         self.metrics_server: HttpServer | None = None
         self.api_server: HttpServer | None = None
         self.api = Router()
+        self.captures: CaptureManager | None = None
+        self.rules = Engine(rules=list(cfg.rules), on_fire=self._on_rule_fire, training_active=self._training_active)
+        self._last_rule_capture: dict[str, float] = {}
 
     # ---- collectors ----
 
@@ -100,6 +106,111 @@ class Agent:
             return []
         return [(g.index, g.uuid, [pid for pid, _ in g.processes]) for g in nvml.gpus]
 
+    def training(self) -> TrainingCollector | None:
+        t = self.collectors.get("training")
+        return t if isinstance(t, TrainingCollector) else None
+
+    def signals(self, source: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+        """The rule signals a collector's latest sample provides (see rules.SIGNALS)."""
+        c = self.collectors.get(source)
+        out: dict[str, list[tuple[dict[str, str], float]]] = {}
+        if isinstance(c, NvmlCollector):
+            out["gpu_utilization"] = [({"gpu": str(g.index)}, g.utilization) for g in c.gpus
+                                      if g.utilization is not None]
+            out["gpu_memory_used_ratio"] = [({"gpu": str(g.index)}, g.memory_used / g.memory_total) for g in c.gpus
+                                            if g.memory_used is not None and g.memory_total]
+        elif isinstance(c, TrainingCollector):
+            now = self.clock.time()
+            jobs = c.active_jobs()
+            labels = {key: {"training_job": key[0], "worker": key[1]} for key in jobs}
+            out["samples_per_second"] = [(labels[k], s.samples_per_second) for k, s in jobs.items()
+                                         if s.samples_per_second is not None and s.latest.phase == "train"]
+            out["step_seconds"] = [(labels[k], s.recent_step_seconds) for k, s in jobs.items()
+                                   if s.recent_step_seconds is not None and s.latest.phase == "train"]
+            out["seconds_without_first_step"] = [(labels[k], now - s.latest.process_start) for k, s in jobs.items()
+                                                 if s.latest.first_step_seconds is None]
+        elif isinstance(c, CpuCollector) and c.latest and c.latest.utilization is not None:
+            out["cpu_utilization"] = [({}, c.latest.utilization)]
+            out["cpu_iowait"] = [({}, c.latest.iowait)]
+        elif isinstance(c, MemoryCollector) and c.used_ratio() is not None:
+            out["memory_used_ratio"] = [({}, c.used_ratio())]
+        elif isinstance(c, NetworkCollector) and c.latest:
+            out["network_receive_utilization"] = [({"device": d}, u[0]) for d, u in c.latest.utilization.items()]
+            out["network_transmit_utilization"] = [({"device": d}, u[1]) for d, u in c.latest.utilization.items()]
+        return out
+
+    def _training_active(self, labels: dict[str, str]) -> bool:
+        """Whether a training job is active where the signal is: its job, its GPU, or anywhere on the host."""
+        training = self.training()
+        if training is None:
+            return False
+        training_now = {k for k, s in training.active_jobs().items() if s.latest.phase == "train"}
+        if "training_job" in labels:
+            return (labels["training_job"], labels.get("worker", "0")) in training_now
+        if "gpu" in labels:
+            mapping = training.job_gpus()
+            if mapping:  # NVML lists the jobs' processes: only a job on this GPU counts
+                return any(gpu == labels["gpu"] and (job, worker) in training_now
+                           for gpu, _, job, worker in ((str(i), u, j, w) for i, u, j, w in mapping))
+        return bool(training_now)
+
+    def capture_groups(self, job: str | None, gpu: str | None) -> list[list[Target]]:
+        """The captures to start for a job, a GPU, or (neither) every job: one list of targets per job.
+
+        Raises HttpError 404 when nothing to capture matches, with the reason.
+        """
+        training = self.training()
+        jobs = training.active_jobs() if training else {}
+        if gpu is not None and training is not None:
+            on_gpu = {(j, w) for i, _, j, w in training.job_gpus() if str(i) == str(gpu)}
+            if on_gpu:
+                jobs = {k: s for k, s in jobs.items() if k in on_gpu}
+        if job is not None:
+            jobs = {k: s for k, s in jobs.items() if k[0] == job}
+            if not jobs:
+                raise HttpError(404, f"no training job {job!r} is reporting to this agent")
+        if not jobs:
+            raise HttpError(404, "no training job is reporting to this agent")
+        groups: dict[str, list[Target]] = {}
+        for (name, worker), state in sorted(jobs.items()):
+            if state.latest.profiler:
+                groups.setdefault(name, []).append(Target(name, worker, state.latest.profiler))
+        if not groups:
+            raise HttpError(404, "the training job has no profiler server (hook started with profiler=False?)")
+        return list(groups.values())
+
+    def _on_rule_fire(self, rule: Rule, labels: dict[str, str], value: float | None) -> None:
+        if not rule.capture or self.captures is None:
+            return
+        now = self.clock.monotonic()
+        last = self._last_rule_capture.get(rule.name)
+        if last is not None and now - last < rule.cooldown:
+            log.info("rule %s: no capture, cooldown %.0fs left", rule.name, rule.cooldown - (now - last))
+            return
+        try:
+            groups = self.capture_groups(labels.get("training_job"), labels.get("gpu"))
+        except HttpError as exc:
+            log.info("rule %s: no capture: %s", rule.name, exc.reason)
+            return
+        self._last_rule_capture[rule.name] = now
+        for group in groups:
+            try:
+                self.captures.start("rule", group, rule=rule.name, gpu=labels.get("gpu"))
+            except CaptureLimit as exc:
+                log.warning("rule %s: no capture: %s", rule.name, exc.reason)
+
+    def capture_settings(self) -> dict[str, object]:
+        cfg = self.cfg
+        return {
+            "mode": cfg["captures.mode"], "duration_ms": int(cfg["captures.duration"] * 1000),
+            "options": {"host_tracer_level": cfg["captures.host_tracer_level"],
+                        "device_tracer_level": cfg["captures.device_tracer_level"],
+                        "python_tracer_level": cfg["captures.python_tracer_level"],
+                        "delay_ms": int(cfg["captures.delay"] * 1000)},
+            "timeout": cfg["captures.timeout"], "max_per_hour": cfg["captures.max_per_hour"],
+            "keep": cfg["captures.keep"], "max_bytes": cfg["captures.max_bytes"], "dir_mode": cfg["captures.dir_mode"],
+        }
+
     def enabled(self, name: str) -> bool:
         return bool(self.cfg[f"collectors.{name}.enabled"])
 
@@ -125,6 +236,7 @@ class Agent:
         collector = self.collectors.get(name)
         if collector is not None:
             self._rendered_part(name, collector)
+            self.rules.observe(name, self.clock.time(), self.signals(name))
 
     def statuses(self) -> dict[str, SampleStatus]:
         return {name: runner.status for name, runner in list(self.runners.items())}
@@ -146,7 +258,10 @@ class Agent:
     def exposition(self) -> bytes:
         """The metrics text: the self metrics, then every collector's latest rendering."""
         parts = [render(self.self_collector.collect())]
-        for name, collector in list(self.collectors.items()):
+        extra: dict[str, Collector] = {"rules": self.rules}
+        if self.captures is not None:
+            extra["captures"] = self.captures
+        for name, collector in [*self.collectors.items(), *extra.items()]:
             part = self._rendered_part(name, collector)
             if part is not None:
                 parts.append(part)
@@ -203,6 +318,11 @@ class Agent:
         self.metrics_server = HttpServer(self.cfg["listen"], metrics, max_body=4096, name="metrics")
         self.api_server = HttpServer(self.cfg["api.listen"], self.api, max_body=self.cfg["api.max_body_bytes"],
                                      token=self._token, name="api")
+        state_dir = Path(self.cfg["state_dir"])
+        self.captures = CaptureManager(state_dir / "captures", self.capture_settings, self.clock)
+        ControlApi(self.api, self.captures, self.capture_groups,
+                   lambda labels: host_matcher(self.cfg["alerts.host_label"], self.cfg["alerts.host_value"])(labels),
+                   state_dir)
         with self._lock:
             self._apply()
         self.metrics_server.start()
@@ -227,6 +347,7 @@ class Agent:
                 new.values[key] = self.cfg[key]
             self.cfg = new
             logs.setup(new["log_level"])
+            self.rules.set_rules(list(new.rules))
             self._apply()
         log.info("config reloaded from %s", new.path or "defaults")
         return True
@@ -265,5 +386,7 @@ class Agent:
             runner.join(timeout=1.0)
         for collector in self.collectors.values():
             collector.close()
+        if self.captures is not None:
+            self.captures.wait_idle(timeout=0.5)
         log.info("tfprofd stopped")
 

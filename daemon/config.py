@@ -162,6 +162,20 @@ class Option:
         return "--" + self.key.replace("_", "-")
 
 
+def parse_mode(raw: Any) -> int:
+    """File mode from an octal string (``"0770"``) or an int."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        value = raw
+    else:
+        try:
+            value = int(parse_str(raw), 8)
+        except ValueError:
+            raise ValueError(f"expected an octal file mode like 0770, got {raw!r}") from None
+    if not 0 <= value <= 0o7777:
+        raise ValueError(f"expected an octal file mode like 0770, got {raw!r}")
+    return value
+
+
 def _default_state_dir() -> str:
     if os.geteuid() == 0:
         return "/var/lib/tfprofd"
@@ -205,6 +219,28 @@ OPTIONS: tuple[Option, ...] = (
            "A job that has not reported for this long has its series removed.", 1, 7 * 86400),
     Option("hook.listen", parse_address, DEFAULT_HOOK_ADDR,
            "UDP address where the training hook sends its reports (env TFPROFD_ADDR in the training process)."),
+    Option("captures.mode", _choice("server", "agent"), "server",
+           "server: the training process's profiler server writes the trace into the capture directory "
+           "(it must be writable by that process); agent: the trace comes back over gRPC (emit_xspace) and "
+           "the agent writes it."),
+    Option("captures.duration", parse_duration, 2.0, "How long a capture traces.", 0.1, 60),
+    Option("captures.delay", parse_duration, 0.0, "Delay before the trace starts.", 0, 60),
+    Option("captures.host_tracer_level", parse_int, 2, "Host (CPU) tracer level, 0-3.", 0, 3),
+    Option("captures.device_tracer_level", parse_int, 1, "Device (GPU) tracer level, 0-1.", 0, 1),
+    Option("captures.python_tracer_level", parse_int, 0, "Python tracer level, 0-1 (costly).", 0, 1),
+    Option("captures.timeout", parse_duration, 90.0,
+           "A capture's worker is killed this long after the capture's duration.", 5, 3600),
+    Option("captures.max_per_hour", parse_int, 12, "At most this many captures start in any hour.", 0, 3600),
+    Option("captures.keep", parse_int, 50, "Keep at most this many finished captures (oldest deleted first).",
+           1, 100000),
+    Option("captures.max_bytes", parse_int, 2 * 1024**3,
+           "Keep at most this many bytes of captures (oldest deleted first).", 1 << 20, 1 << 50),
+    Option("captures.dir_mode", parse_mode, 0o777,
+           "Mode of a capture's directory while the profiler server writes into it."),
+    Option("alerts.host_label", parse_str, "instance",
+           "Alert label naming the host an Alertmanager alert is about."),
+    Option("alerts.host_value", parse_str, "",
+           "This host's value of that label (empty: the host name); host:port values match on host."),
     Option("hook.max_datagram_bytes", parse_int, 8192, "Largest hook report accepted; larger ones are rejected.",
            512, 65507),
 )
@@ -221,7 +257,7 @@ class Config:
 
     values: dict[str, Any]
     path: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    rules: list[Any] = field(default_factory=list)
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
@@ -270,12 +306,19 @@ def _flatten(
 def _suggest(key: str) -> str:
     import difflib
 
-    close = difflib.get_close_matches(key, [*OPTIONS_BY_KEY, *SECTION_PARSERS], n=1)
+    close = difflib.get_close_matches(key, [*OPTIONS_BY_KEY, *SECTION_PARSERS], n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-# Structured sections (lists of records) register a parser here: (loader, node, path, out, problems).
-SECTION_PARSERS: dict[str, Callable[..., Any]] = {}
+def _rules_section(loader: yaml.SafeLoader, node: yaml.Node, path: str, out: dict[str, Located],
+                   problems: list[Problem]) -> None:
+    from .rules import parse_rules
+
+    out["rules"] = Located(parse_rules(loader, node, path, problems), f"{path}:{node.start_mark.line + 1}")
+
+
+# Structured sections (lists of records): (loader, node, path, out, problems).
+SECTION_PARSERS: dict[str, Callable[..., Any]] = {"rules": _rules_section}
 
 
 def read_yaml(path: str, problems: list[Problem]) -> dict[str, Located]:
@@ -339,17 +382,15 @@ def load(
             raw[option.key] = Located(flags[option.key], f"flag {option.flag}")
     values = {key: _validate(OPTIONS_BY_KEY[key], loc, problems) for key, loc in raw.items()
               if key in OPTIONS_BY_KEY}
-    extra = {key: loc.value for key, loc in raw.items() if key not in OPTIONS_BY_KEY}
+    if "rules" in raw:
+        rules = raw["rules"].value
+    else:
+        from .rules import DEFAULT_RULES, load_rules_file
+
+        rules = load_rules_file(DEFAULT_RULES, problems)
     if not problems and values["listen"] == values["api.listen"] and values["listen"][1] != 0:
         problems.append(Problem(raw["api.listen"].source, "api.listen",
                                 "must differ from listen: /metrics and the control API are separate listeners"))
-    config = Config(values=values, path=path, extra=extra)
-    for check in POST_CHECKS:
-        check(config, raw, problems)
     if problems:
         raise ConfigError(problems)
-    return config
-
-
-# Extra whole-config checks registered by other modules: (config, raw, problems) -> None.
-POST_CHECKS: list[Callable[[Config, dict[str, Located], list[Problem]], None]] = []
+    return Config(values=values, path=path, rules=rules)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import psutil
 from prometheus_client.core import Metric
 
-from .base import Collector, HostPaths, counter, gauge
+from .base import Clock, Collector, HostPaths, counter, gauge
 
 _COLUMNS = (
     ("bytes_recv", "network_receive_bytes", "Total bytes received on the interface."),
@@ -36,14 +36,34 @@ def parse_speed(text: str) -> float | None:
 class NetworkSample:
     counters: dict[str, dict[str, int]]
     speed: dict[str, float]
+    monotonic: float
+    utilization: dict[str, tuple[float, float]]  # receive, transmit as fractions of the link speed
+
+
+def link_utilization(previous: NetworkSample, counters: dict[str, dict[str, int]], speed: dict[str, float],
+                     now: float) -> dict[str, tuple[float, float]]:
+    """(receive, transmit) bytes/s over the link speed between two samples, for interfaces with a speed."""
+    elapsed = now - previous.monotonic
+    if elapsed <= 0:
+        return previous.utilization
+    out = {}
+    for dev, c in counters.items():
+        before = previous.counters.get(dev)
+        if before is None or dev not in speed:
+            continue
+        rx = max(c["bytes_recv"] - before["bytes_recv"], 0) / elapsed
+        tx = max(c["bytes_sent"] - before["bytes_sent"], 0) / elapsed
+        out[dev] = (rx / speed[dev], tx / speed[dev])
+    return out
 
 
 class NetworkCollector(Collector):
     name = "network"
 
-    def __init__(self, paths: HostPaths, device_exclude: re.Pattern[str]):
+    def __init__(self, paths: HostPaths, device_exclude: re.Pattern[str], clock: Clock | None = None):
         self.paths = paths
         self.device_exclude = device_exclude
+        self.clock = clock or Clock()
         self.latest: NetworkSample | None = None
 
     def sample(self) -> bool:
@@ -57,7 +77,9 @@ class NetworkCollector(Collector):
             value = parse_speed(text) if text else None
             if value:
                 speed[name] = value
-        self.latest = NetworkSample(counters, speed)
+        now = self.clock.monotonic()
+        utilization = link_utilization(self.latest, counters, speed, now) if self.latest else {}
+        self.latest = NetworkSample(counters, speed, now, utilization)
         return True
 
     def clear(self) -> None:

@@ -138,6 +138,7 @@ class JobState:
     base_step_sum: float = 0.0
     base_buckets: list[int] = field(default_factory=lambda: [0] * len(STEP_BUCKETS))
     samples_per_second: float | None = None
+    recent_step_seconds: float | None = None  # mean step time between the last two reports
 
     @property
     def steps(self) -> int:
@@ -231,6 +232,9 @@ class TrainingCollector(Collector):
             elapsed = report.time - previous.time
             if elapsed > 0:
                 state.samples_per_second = (report.samples - previous.samples) / elapsed
+            steps = report.step_count - previous.step_count
+            if steps > 0:
+                state.recent_step_seconds = (report.step_sum - previous.step_sum) / steps
         state.latest = report
         state.last_seen = now
 

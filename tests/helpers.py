@@ -208,3 +208,49 @@ def _split_labels(text: str) -> list[str]:
     if current:
         parts.append(current)
     return parts
+
+
+def start_training(hook_port: int, *args: str) -> subprocess.Popen:
+    """tests/jobs/train.py as a subprocess reporting to an agent's hook port."""
+    env = {**os.environ, "TFPROFD_ADDR": f"127.0.0.1:{hook_port}", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, str(TESTS / "jobs" / "train.py"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def job_reporting(agent: AgentProcess, job: str) -> bool:
+    return metric_value(agent.scrape(), "tfprofd_training_up", training_job=job) == 1
+
+
+def wait_capture(agent: AgentProcess, capture_id: str, timeout: float = 60) -> dict[str, Any]:
+    def finished():
+        status, record = http("GET", f"{agent.api}/captures/{capture_id}")
+        assert status == 200, record
+        return record if record["status"] != "running" else None
+
+    return wait_for(finished, timeout, 0.2, message=f"capture {capture_id} to finish")
+
+
+class Server:
+    """A real server binary (Prometheus, Alertmanager, node_exporter) on loopback, stopped by ``stop()``."""
+
+    def __init__(self, args: list[str], ready_url: str, log_path: Path):
+        self.log_path = log_path
+        self.log_file = open(log_path, "ab")
+        self.proc = subprocess.Popen(args, stdout=self.log_file, stderr=subprocess.STDOUT)
+        wait_for(lambda: self._ready(ready_url), 30, message=f"{args[0]} to start (log {log_path})")
+
+    def _ready(self, url: str) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"server exited: {self.log_path.read_text()[-2000:]}")
+        try:
+            return http("GET", url, timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log_file.close()

@@ -1,0 +1,191 @@
+"""Captures end to end: a real Keras job with the hook, the real agent, the real profiler server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tfprofd.exporter.hook import Reporter
+
+from helpers import (
+    AgentProcess,
+    GpuState,
+    build_fakenvml,
+    free_port,
+    gpu,
+    http,
+    job_reporting,
+    metric_value,
+    start_training,
+    wait_capture,
+    wait_for,
+)
+
+pytestmark = pytest.mark.tf
+
+RULES = """
+rules:
+  - name: low_gpu_utilization
+    description: test copy of the shipped rule with a short for
+    signal: gpu_utilization
+    below: 0.5
+    for: 3s
+    cooldown: 0s
+"""
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    """An agent with two simulated GPUs and a Keras job on GPU 1 that trains for the whole module."""
+    tmp = tmp_path_factory.mktemp("captures")
+    build_fakenvml()
+    state = GpuState(tmp / "nvml.json", [gpu(0), gpu(1)])
+    config = tmp / "tfprofd.yaml"
+    config.write_text(RULES)
+    agent = AgentProcess(tmp, args=["--config", str(config), "--captures.max-per-hour", "100",
+                                    "--captures.duration", "1s"], env=state.env()).start()
+    job = start_training(agent.hook_port, "--job", "resnet", "--seconds", "400", "--map-delay", "0.0002")
+    state.update_gpu(1, processes=[{"pid": job.pid, "used_memory_bytes": 2**30}])
+    try:
+        wait_for(lambda: job_reporting(agent, "resnet"), 90, message="the Keras job to report")
+        yield agent, state, job
+    finally:
+        job.kill()
+        job.wait()
+        agent.stop()
+
+
+def post_capture(agent, body=None, raw: bytes | None = None, token=None):
+    return http("POST", f"{agent.api}/captures", raw if raw is not None else body, token=token)
+
+
+def test_curl_capture_runs_to_done_with_a_complete_record(rig):
+    agent, _, _ = rig
+    status, answer = post_capture(agent, {"job": "resnet", "duration_ms": 1000})
+    assert status == 202, answer
+    record = wait_capture(agent, answer["id"])
+    assert record["status"] == "done", record
+    assert record["trigger"] == "manual" and record["job"] == "resnet"
+    assert record["targets"][0]["worker"] == "0"
+    trace = Path(record["directory"]) / record["files"][0]
+    assert trace.name.endswith(".xplane.pb") and trace.stat().st_size > 100_000
+    assert record["bytes"] >= trace.stat().st_size
+    assert record["started_at"] >= record["requested_at"] and record["finished_at"] > record["started_at"]
+    listed = http("GET", f"{agent.api}/captures")[1]["captures"]
+    assert answer["id"] in [r["id"] for r in listed]
+    assert metric_value(agent.scrape(), "tfprofd_captures_total", trigger="manual", status="done") >= 1
+
+
+def test_concurrent_posts_give_one_capture_and_409s(rig):
+    agent, _, _ = rig
+    results: list[tuple[int, dict]] = []
+    threads = [threading.Thread(target=lambda: results.append(post_capture(agent, {"job": "resnet"})))
+               for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = sorted(s for s, _ in results)
+    assert statuses == [202, 409, 409, 409, 409], results
+    accepted = next(a for s, a in results if s == 202)
+    assert all("already running" in a["error"] for s, a in results if s == 409)
+    assert wait_capture(agent, accepted["id"])["status"] == "done"
+
+
+def test_bad_requests_get_4xx_with_a_json_reason(rig):
+    agent, _, _ = rig
+    assert post_capture(agent, raw=b"{not json")[0] == 400
+    status, answer = post_capture(agent, {"job": "resnet", "duration_ms": "long"})
+    assert status == 400 and "duration_ms must be an integer" in answer["error"]
+    status, answer = post_capture(agent, {"job": "resnet", "options": {"python_tracer_level": 5}})
+    assert status == 400 and "python_tracer_level" in answer["error"]
+    status, answer = post_capture(agent, {"job": "no-such-job"})
+    assert status == 404 and "no-such-job" in answer["error"]
+    status, answer = post_capture(agent, raw=b"{" + b" " * 70000 + b"}")
+    assert status == 413
+    assert http("GET", f"{agent.api}/captures/nope")[0] == 404
+    assert http("DELETE", f"{agent.api}/captures")[0] == 405
+
+
+def test_a_job_without_a_listening_profiler_fails_with_no_server(rig):
+    agent, _, _ = rig
+    closed = free_port()
+    reporter = Reporter(job="ghost", profiler=False, addr=f"127.0.0.1:{agent.hook_port}")
+    reporter.profiler_address = f"127.0.0.1:{closed}"
+    reporter.record(1, 32, 0.01)
+    reporter.flush()
+    wait_for(lambda: job_reporting(agent, "ghost"), 5, message="ghost job")
+    status, answer = post_capture(agent, {"job": "ghost"})
+    assert status == 202, answer
+    record = wait_capture(agent, answer["id"])
+    assert (record["status"], record["reason"]) == ("failed", "no_server"), record
+    assert f"127.0.0.1:{closed}" in record["detail"]
+
+
+def test_gpu_utilization_drop_fires_the_rule_and_captures_the_job_on_that_gpu(rig):
+    agent, state, _ = rig
+    before = {r["id"] for r in http("GET", f"{agent.api}/captures")[1]["captures"]}
+    dropped_at = time.time()
+    state.update_gpu(1, utilization_gpu=20)
+    try:
+        def rule_capture():
+            captures = http("GET", f"{agent.api}/captures")[1]["captures"]
+            return next((c for c in captures if c["id"] not in before and c["trigger"] == "rule"), None)
+
+        record = wait_for(rule_capture, 20, message="a rule-triggered capture")
+        assert record["rule"] == "low_gpu_utilization" and record["gpu"] == "1" and record["job"] == "resnet"
+        assert 3.0 <= record["requested_at"] - dropped_at <= 3.0 + 0.2 + 1.0  # for + one interval (+ slack)
+        record = wait_capture(agent, record["id"])
+        assert record["status"] == "done", record
+        assert (Path(record["directory"]) / record["files"][0]).stat().st_size > 100_000
+        text = agent.scrape()
+        assert metric_value(text, "tfprofd_rule_active", rule="low_gpu_utilization", gpu="1") == 1
+        assert metric_value(text, "tfprofd_rule_active", rule="low_gpu_utilization", gpu="0") == 0
+        assert metric_value(text, "tfprofd_rule_firings_total", rule="low_gpu_utilization") >= 1
+        assert "rule low_gpu_utilization firing for gpu=1" in agent.log()
+    finally:
+        state.update_gpu(1, utilization_gpu=95)
+
+
+def test_emit_xspace_mode_writes_the_trace_itself(rig, tmp_path):
+    from tfprofd.daemon import capture_worker
+
+    agent, _, _ = rig
+    line = next(ln for ln in agent.scrape().splitlines() if ln.startswith("tfprofd_training_info{")
+                and 'training_job="resnet"' in ln)
+    address = line.split('profiler_address="')[1].split('"')[0]
+    request = {"mode": "agent", "targets": [address], "duration_ms": 800, "logdir": str(tmp_path),
+               "host_tracer_level": 2, "device_tracer_level": 1, "python_tracer_level": 0, "delay_ms": 0}
+    result = capture_worker.capture_agent_mode(request, tmp_path)
+    assert result["status"] == "done", result
+    assert (tmp_path / result["files"][0]).stat().st_size > 100_000
+    closed = capture_worker.capture_agent_mode({**request, "targets": [f"127.0.0.1:{free_port()}"]}, tmp_path)
+    assert closed["reason"] == "no_server"
+
+
+def test_records_survive_an_agent_restart(rig):
+    agent, _, _ = rig
+    before = {r["id"]: r["status"] for r in http("GET", f"{agent.api}/captures")[1]["captures"]}
+    assert before
+    agent.stop()
+    agent.start()
+    after = {r["id"]: r["status"] for r in http("GET", f"{agent.api}/captures")[1]["captures"]}
+    assert after == before
+
+
+def test_control_api_requires_the_token_when_set(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    agent = AgentProcess(tmp_path, args=["--api.token-file", str(token_file)]).start()
+    try:
+        status, answer = http("GET", f"{agent.api}/captures")
+        assert status == 401 and "bearer token" in answer["error"]
+        assert http("GET", f"{agent.api}/captures", token="wrong")[0] == 401
+        assert http("GET", f"{agent.api}/captures", token="s3cret")[0] == 200
+        assert http("GET", agent.url + "/metrics")[0] == 200  # /metrics stays open
+    finally:
+        agent.stop()
+

@@ -1,0 +1,127 @@
+"""Rule parsing (errors with file and line) and evaluation semantics, on a scripted clock."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tfprofd.daemon import config
+from tfprofd.daemon.rules import Condition, Engine, Rule, aggregate, holds
+
+
+def load(tmp_path, text: str):
+    path = tmp_path / "rules.yaml"
+    path.write_text(textwrap.dedent(text))
+    return str(path), config.load(str(path), env={})
+
+
+def test_shipped_rules_load_and_a_rules_list_replaces_them(tmp_path):
+    assert {r.name for r in config.load(None, env={}).rules} >= {
+        "low_gpu_utilization", "throughput_drop", "cpu_bottleneck", "io_bottleneck", "gpu_memory_growth",
+        "host_memory_growth", "step_time_outlier", "slow_initialization", "network_receive_saturated"}
+    _, cfg = load(tmp_path, "rules: []\n")
+    assert cfg.rules == []
+
+
+def test_rule_errors_name_file_line_and_key(tmp_path):
+    path = tmp_path / "rules.yaml"
+    path.write_text(textwrap.dedent("""\
+        rules:
+          - name: ok_rule
+            signal: gpu_utilization
+            below: 0.5
+          - name: Bad Name
+            signal: gpu_temperature
+            below: 0.5
+            above: 0.9
+            for: soon
+            colour: red
+          - name: ok_rule
+            signal: cpu_utilization
+            aggregate: p95
+            above: 0.9
+    """))
+    with pytest.raises(config.ConfigError) as info:
+        config.load(str(path), env={})
+    found = [str(p) for p in info.value.problems]
+    assert f"{path}:5: rules[1].name: expected a snake_case name, got 'Bad Name'" in found
+    assert any(p.startswith(f"{path}:6: rules[1].signal: expected one of gpu_utilization") for p in found)
+    assert any(p.startswith(f"{path}:7: rules[1]: needs exactly one of below, above") for p in found)
+    assert f"{path}:9: rules[1].for: expected a duration like 1s, 500ms or 5m, got 'soon'" in found
+    assert f"{path}:10: rules[1].colour: unknown key" in found
+    assert f"{path}:11: rules[2].name: duplicate rule name 'ok_rule'" in found
+    assert f"{path}:13: rules[2].window: aggregate p95 needs a window" in found
+
+
+@pytest.mark.parametrize(("how", "expected"), [("last", 5), ("mean", 3), ("min", 1), ("max", 5), ("increase", 4),
+                                               ("p50", 3), ("p95", 5), ("p5", 1)])
+def test_aggregates(how, expected):
+    assert aggregate([1, 2, 3, 4, 5], how) == expected
+
+
+def test_baseline_drop_needs_history_and_compares_to_the_median():
+    condition = Condition("samples_per_second", aggregate="mean", window=10, below_baseline=0.7, baseline=60)
+    history = __import__("collections").deque((t, 100.0) for t in range(0, 60))
+    assert holds(condition, history, 59) == (False, 100.0)
+    history.extend((t, 60.0) for t in range(60, 71))
+    assert holds(condition, history, 70) == (True, 60.0)
+    assert holds(condition, __import__("collections").deque([(0, 1.0)]), 0)[0] is False  # no baseline yet
+
+
+def engine(rule: Rule, training=True):
+    fired = []
+    e = Engine(rules=[rule], on_fire=lambda r, labels, v: fired.append((r.name, labels, v)),
+               training_active=lambda labels: training)
+    return e, fired
+
+
+def test_for_duration_counts_from_the_first_sample_that_crossed():
+    rule = Rule("low", "", (Condition("gpu_utilization", below=0.5),), for_seconds=30)
+    e, fired = engine(rule)
+    for t in range(0, 10):
+        e.observe("nvml", t, {"gpu_utilization": [({"gpu": "0"}, 0.95)]})
+    for t in range(10, 40):  # dropped at t=10: not yet firing at t=39
+        e.observe("nvml", t, {"gpu_utilization": [({"gpu": "0"}, 0.3)]})
+    assert fired == []
+    e.observe("nvml", 40, {"gpu_utilization": [({"gpu": "0"}, 0.3)]})
+    assert fired == [("low", {"gpu": "0"}, 0.3)]
+    e.observe("nvml", 41, {"gpu_utilization": [({"gpu": "0"}, 0.3)]})
+    assert len(fired) == 1  # fires once per episode
+    assert e.firings == {"low": 1}
+    e.observe("nvml", 42, {"gpu_utilization": [({"gpu": "0"}, 0.9)]})
+    assert not e.states[("low", (("gpu", "0"),))].active
+
+
+def test_rules_are_gated_on_an_active_training_job():
+    rule = Rule("low", "", (Condition("gpu_utilization", below=0.5),), for_seconds=0)
+    e, fired = engine(rule, training=False)
+    e.observe("nvml", 0, {"gpu_utilization": [({"gpu": "0"}, 0.0)]})
+    assert fired == []
+
+
+def test_and_conditions_join_a_host_signal():
+    rule = Rule("cpu_bound", "", (Condition("gpu_utilization", below=0.5),
+                                  Condition("cpu_utilization", aggregate="mean", window=5, above=0.9)))
+    e, fired = engine(rule)
+    e.observe("cpu", 0, {"cpu_utilization": [({}, 0.5)]})
+    e.observe("nvml", 0, {"gpu_utilization": [({"gpu": "0"}, 0.2)]})
+    assert fired == []
+    e.observe("cpu", 1, {"cpu_utilization": [({}, 0.99)]})
+    e.observe("cpu", 2, {"cpu_utilization": [({}, 0.99)]})
+    e.observe("cpu", 3, {"cpu_utilization": [({}, 0.99)]})
+    e.observe("nvml", 6, {"gpu_utilization": [({"gpu": "0"}, 0.2)]})
+    assert [f[0] for f in fired] == ["cpu_bound"]
+
+
+def test_fluctuation_rule_fires_on_high_p95_with_low_p5():
+    rule = Rule("fluct", "", (Condition("gpu_utilization", "p95", 60, above=0.7),
+                              Condition("gpu_utilization", "p5", 60, below=0.1)))
+    e, fired = engine(rule)
+    for t in range(60):
+        e.observe("nvml", t, {"gpu_utilization": [({"gpu": "0"}, 0.99 if t % 3 else 0.0)]})
+    assert fired and fired[0][0] == "fluct"
+    steady, fired2 = engine(rule)
+    for t in range(60):
+        steady.observe("nvml", t, {"gpu_utilization": [({"gpu": "0"}, 0.9)]})
+    assert fired2 == []
