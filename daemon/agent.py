@@ -236,7 +236,7 @@ class Agent:
         collector = self.collectors.get(name)
         if collector is not None:
             self._rendered_part(name, collector)
-            self.rules.observe(name, self.clock.time(), self.signals(name))
+            self.rules.observe(name, self.runners[name].status.timestamp, self.signals(name))
 
     def statuses(self) -> dict[str, SampleStatus]:
         return {name: runner.status for name, runner in list(self.runners.items())}

@@ -42,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-config", help="validate a config file and print every problem at once")
     check.add_argument("path")
+
+    capture = sub.add_parser("capture", help="ask the running agent to capture a profile now")
+    capture.add_argument("--job", help="training job to profile (needed when several report)")
+    capture.add_argument("--gpu", help="profile the job running on this GPU index")
+    capture.add_argument("--duration", help="how long to trace, e.g. 2s (default: captures.duration)")
+    capture.add_argument("--wait", action="store_true", help="wait for the capture to finish and print its record")
+    capture.add_argument("--api", default=os.environ.get("TFPROFD_API", "http://127.0.0.1:9848"),
+                         help="the agent's control API (env TFPROFD_API; default http://127.0.0.1:9848)")
+    capture.add_argument("--token-file", default=os.environ.get("TFPROFD_API_TOKEN_FILE"),
+                         help="file with the bearer token, if the agent requires one")
     return parser
 
 
@@ -84,7 +94,54 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "check-config": cmd_check_config}
+def cmd_capture(args: argparse.Namespace) -> int:
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+    from pathlib import Path
+
+    headers = {"Content-Type": "application/json"}
+    if args.token_file:
+        headers["Authorization"] = "Bearer " + Path(args.token_file).read_text().strip()
+
+    def call(method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(args.api.rstrip("/") + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"{}")
+
+    body: dict[str, Any] = {}
+    if args.job:
+        body["job"] = args.job
+    if args.gpu is not None:
+        body["gpu"] = args.gpu
+    if args.duration:
+        body["duration_ms"] = int(configmod.parse_duration(args.duration) * 1000)
+    try:
+        status, answer = call("POST", "/api/v1/captures", body)
+    except OSError as exc:
+        print(f"tfprofd: cannot reach the agent at {args.api}: {exc}", file=sys.stderr)
+        return 1
+    if status != 202:
+        print(f"tfprofd: capture refused ({status}): {answer.get('error', answer)}", file=sys.stderr)
+        return 1
+    print(f"capture {answer['id']} started for job {answer['job']}")
+    if not args.wait:
+        return 0
+    while True:
+        status, record = call("GET", answer["url"])
+        if record.get("status") != "running":
+            break
+        time.sleep(0.5)
+    print(json.dumps(record, indent=1, sort_keys=True))
+    return 0 if record.get("status") == "done" else 1
+
+
+COMMANDS = {"run": cmd_run, "check-config": cmd_check_config, "capture": cmd_capture}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -44,6 +44,9 @@ SIGNALS: dict[str, tuple[str, tuple[str, ...]]] = {
 STATE_LABELS = ("gpu", "training_job", "worker", "device")
 _AGGREGATE = re.compile(r"^(last|mean|min|max|increase|p([1-9]|[1-9][0-9]))$")
 DEFAULT_RULES = Path(__file__).with_name("default_rules.yaml")
+# Sample timestamps jitter by a few ms; without slack a condition held for exactly `for` would wait one
+# more sampling interval.
+FOR_SLACK_SECONDS = 0.05
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -306,7 +309,7 @@ class Engine(Collector):
                     state.pending_since = now
                     log.info("rule %s pending for %s (value %s, fires after %gs)", rule.name, _show(labels),
                              _num(value), rule.for_seconds)
-                if not state.active and now - state.pending_since >= rule.for_seconds:
+                if not state.active and now - state.pending_since >= rule.for_seconds - FOR_SLACK_SECONDS:
                     state.active = True
                     self.firings[rule.name] = self.firings.get(rule.name, 0) + 1
                     self.version += 1

@@ -39,7 +39,7 @@ class CollectorRunner:
         return self._thread.is_alive()
 
     def sample_once(self) -> None:
-        started = self.clock.monotonic()
+        started, started_wall = self.clock.monotonic(), self.clock.time()
         try:
             ok = self.collector.sample()
             error = None  # a collector that returns False has logged its own reason
@@ -48,7 +48,7 @@ class CollectorRunner:
             self.collector.clear()
         self.collector.version += 1
         self.status = SampleStatus(success=bool(ok), duration=self.clock.monotonic() - started,
-                                   timestamp=self.clock.time())
+                                   timestamp=started_wall)
         if error and not self._failing_since_logged:
             log.warning("collector %s failed: %s", self.collector.name, error)
             self._failing_since_logged = True

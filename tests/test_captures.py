@@ -189,3 +189,18 @@ def test_control_api_requires_the_token_when_set(tmp_path):
     finally:
         agent.stop()
 
+
+
+def test_capture_command_wraps_the_api(rig):
+    import subprocess
+    import sys
+
+    agent, _, _ = rig
+    result = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "capture", "--job", "resnet", "--duration", "1s",
+                             "--wait", "--api", f"http://127.0.0.1:{agent.api_port}"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("capture ") and '"status": "done"' in result.stdout
+    refused = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "capture", "--job", "nobody",
+                              "--api", f"http://127.0.0.1:{agent.api_port}"], capture_output=True, text=True)
+    assert refused.returncode == 1 and "capture refused (404)" in refused.stderr
