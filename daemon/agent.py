@@ -209,6 +209,7 @@ class Agent:
                         "delay_ms": int(cfg["captures.delay"] * 1000)},
             "timeout": cfg["captures.timeout"], "max_per_hour": cfg["captures.max_per_hour"],
             "keep": cfg["captures.keep"], "max_bytes": cfg["captures.max_bytes"], "dir_mode": cfg["captures.dir_mode"],
+            "analyze": cfg["captures.analyze"], "analysis_timeout": cfg["captures.analysis_timeout"],
         }
 
     def enabled(self, name: str) -> bool:

@@ -75,12 +75,10 @@ class CaptureManager(Collector):
 
     name = "captures"
 
-    def __init__(self, root: Path, settings: Callable[[], dict[str, Any]], clock: Clock | None = None,
-                 analyze: Callable[[CaptureRecord], None] | None = None):
+    def __init__(self, root: Path, settings: Callable[[], dict[str, Any]], clock: Clock | None = None):
         self.root = root
         self.settings = settings
         self.clock = clock or Clock()
-        self.analyze = analyze
         self.records: dict[str, CaptureRecord] = {}
         self._busy: set[str] = set()
         self._recent: list[float] = []
@@ -196,11 +194,40 @@ class CaptureManager(Collector):
         if record.status == "done":
             log.info("capture %s done: %d file(s), %d bytes in %s", record.id, len(record.files), record.bytes,
                      record.directory)
-            if self.analyze is not None:
-                self.analyze(record)
+            if s["analyze"]:
+                self._analyze(record, s["analysis_timeout"])
         else:
             log.warning("capture %s failed: %s: %s", record.id, record.reason, record.detail)
         self.enforce_retention()
+
+    def _analyze(self, record: CaptureRecord, timeout: float) -> None:
+        """Analyse the trace in a worker process (xprof needs 200-450 MB the agent must not hold)."""
+        command = [sys.executable, "-m", "tfprofd.daemon.analysis", record.directory, "--json",
+                   "--duration", str(record.duration_ms / 1000)]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+            result = json.loads(proc.stdout)
+        except subprocess.TimeoutExpired:
+            result = {"error": f"analysis did not finish within {timeout:.0f}s"}
+        except ValueError:
+            result = {"error": f"analysis worker exited {proc.returncode}: {proc.stderr.strip()[-500:]}"}
+        if "error" in result:
+            record.status, record.reason, record.detail = "analysis_failed", "analysis_error", result["error"]
+            log.warning("capture %s: analysis failed: %s (raw files kept in %s)", record.id, result["error"],
+                        record.directory)
+        else:
+            record.analysis = result
+            log.info("capture %s analysed: job=%s bottleneck=%s input_bound=%s step=%s: %s", record.id, record.job,
+                     result["bottleneck"], _pct(result.get("input_bound_ratio")),
+                     _ms(result.get("step_time_ms", {}).get("mean")), result["summary"])
+        record.bytes = _tree_bytes(Path(record.directory))  # xprof's cache files count too
+        with self._lock:
+            if record.status == "analysis_failed":
+                key = (record.trigger, "done")
+                self._finished[key] -= 1
+                key = (record.trigger, "analysis_failed")
+                self._finished[key] = self._finished.get(key, 0) + 1
+            self._save(record)
 
     def _spawn(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         try:
@@ -253,8 +280,30 @@ class CaptureManager(Collector):
                       ["trigger", "status"], (([t, s], n) for (t, s), n in sorted(counts.items())))
         yield gauge("captures_running", "Captures in progress.", [],
                     [((), sum(1 for r in records if r.status == "running"))])
+        latest: dict[str, CaptureRecord] = {}
+        for r in sorted(records, key=lambda r: r.requested_at):
+            if r.analysis is not None:
+                latest[r.job] = r
+        analysed = sorted(latest.items())
+        yield gauge("capture_input_bound_ratio", "Input-bound ratio (input wait / step time) of the job's latest "
+                    "analysed capture.", ["training_job"],
+                    (([job], r.analysis["input_bound_ratio"]) for job, r in analysed
+                     if r.analysis.get("input_bound_ratio") is not None))
+        yield gauge("capture_step_seconds", "Mean step time in the job's latest analysed capture, in seconds.",
+                    ["training_job"], (([job], r.analysis["step_time_ms"]["mean"] / 1000) for job, r in analysed
+                                       if r.analysis.get("step_time_ms")))
+        yield gauge("capture_bottleneck_info", "Bottleneck named by the job's latest analysed capture; the value is "
+                    "1.", ["training_job", "kind"], (([job, r.analysis["bottleneck"]], 1) for job, r in analysed))
         yield gauge("capture_last_timestamp_seconds", "Unix time of the latest capture of the training job.",
                     ["training_job"], (([job], ts) for job, ts in sorted(last.items())))
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}ms"
 
 
 def _tree_bytes(path: Path) -> int:

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and print every problem at once")
     check.add_argument("path")
 
+    # Listed for --help; main() hands "analyze" to the analysis module's own parser.
+    sub.add_parser("analyze", help="say what bound the training step in a profile (tfprofd analyze --help)")
+
     capture = sub.add_parser("capture", help="ask the running agent to capture a profile now")
     capture.add_argument("--job", help="training job to profile (needed when several report)")
     capture.add_argument("--gpu", help="profile the job running on this GPU index")
@@ -145,6 +148,11 @@ COMMANDS = {"run": cmd_run, "check-config": cmd_check_config, "capture": cmd_cap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["analyze"]:
+        from .analysis import main as analyze_main
+
+        return analyze_main(argv[1:])
     args = build_parser().parse_args(argv)
     return COMMANDS[args.command](args)
 
