@@ -20,10 +20,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from common import ROOT, free_port, wait_http
-
 from tfprofd.exporter.hook import Reporter
 
+from common import ROOT, free_port, wait_http
 from helpers import GpuState, build_fakenvml, gpu
 
 INTERVAL = 1.0

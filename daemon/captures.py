@@ -187,17 +187,20 @@ class CaptureManager(Collector):
         record.finished_at = self.clock.time()
         os.chmod(directory, 0o755)
         record.bytes = _tree_bytes(directory)
+        analyze = record.status == "done" and s["analyze"]
+        if record.status == "done":
+            log.info("capture %s done: %d file(s), %d bytes in %s", record.id, len(record.files), record.bytes,
+                     record.directory)
+        else:
+            log.warning("capture %s failed: %s: %s", record.id, record.reason, record.detail)
+        if analyze:
+            record.status = "analyzing"
+            self.update(record)
+            self._analyze(record, s["analysis_timeout"])
         with self._lock:
             key = (record.trigger, record.status)
             self._finished[key] = self._finished.get(key, 0) + 1
             self._save(record)
-        if record.status == "done":
-            log.info("capture %s done: %d file(s), %d bytes in %s", record.id, len(record.files), record.bytes,
-                     record.directory)
-            if s["analyze"]:
-                self._analyze(record, s["analysis_timeout"])
-        else:
-            log.warning("capture %s failed: %s: %s", record.id, record.reason, record.detail)
         self.enforce_retention()
 
     def _analyze(self, record: CaptureRecord, timeout: float) -> None:
@@ -211,6 +214,7 @@ class CaptureManager(Collector):
             result = {"error": f"analysis did not finish within {timeout:.0f}s"}
         except ValueError:
             result = {"error": f"analysis worker exited {proc.returncode}: {proc.stderr.strip()[-500:]}"}
+        record.status = "done"
         if "error" in result:
             record.status, record.reason, record.detail = "analysis_failed", "analysis_error", result["error"]
             log.warning("capture %s: analysis failed: %s (raw files kept in %s)", record.id, result["error"],
@@ -221,13 +225,6 @@ class CaptureManager(Collector):
                      result["bottleneck"], _pct(result.get("input_bound_ratio")),
                      _ms(result.get("step_time_ms", {}).get("mean")), result["summary"])
         record.bytes = _tree_bytes(Path(record.directory))  # xprof's cache files count too
-        with self._lock:
-            if record.status == "analysis_failed":
-                key = (record.trigger, "done")
-                self._finished[key] -= 1
-                key = (record.trigger, "analysis_failed")
-                self._finished[key] = self._finished.get(key, 0) + 1
-            self._save(record)
 
     def _spawn(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         try:
@@ -278,8 +275,8 @@ class CaptureManager(Collector):
             last[r.job] = max(last.get(r.job, 0.0), r.requested_at)
         yield counter("captures", "Captures finished since the agent started, by trigger and final status.",
                       ["trigger", "status"], (([t, s], n) for (t, s), n in sorted(counts.items())))
-        yield gauge("captures_running", "Captures in progress.", [],
-                    [((), sum(1 for r in records if r.status == "running"))])
+        yield gauge("captures_running", "Captures in progress (tracing or being analysed).", [],
+                    [((), sum(1 for r in records if r.status in ("running", "analyzing")))])
         latest: dict[str, CaptureRecord] = {}
         for r in sorted(records, key=lambda r: r.requested_at):
             if r.analysis is not None:

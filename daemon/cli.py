@@ -137,7 +137,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         return 0
     while True:
         status, record = call("GET", answer["url"])
-        if record.get("status") != "running":
+        if record.get("status") not in ("running", "analyzing"):
             break
         time.sleep(0.5)
     print(json.dumps(record, indent=1, sort_keys=True))

@@ -225,7 +225,7 @@ def wait_capture(agent: AgentProcess, capture_id: str, timeout: float = 60) -> d
     def finished():
         status, record = http("GET", f"{agent.api}/captures/{capture_id}")
         assert status == 200, record
-        return record if record["status"] != "running" else None
+        return record if record["status"] not in ("running", "analyzing") else None
 
     return wait_for(finished, timeout, 0.2, message=f"capture {capture_id} to finish")
 

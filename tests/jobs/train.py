@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -19,27 +20,63 @@ import tensorflow as tf
 
 from tfprofd.exporter.hook import Reporter, TfprofdCallback
 
+SLOW = {"delay": 0.0}  # read cost per record in seconds; --slow-after turns it on mid-run
+READ_BLOCK = 64
 
-def dataset(samples: int, batch: int, features: int, map_delay: float, repeat: bool) -> tf.data.Dataset:
+
+def dataset(args: argparse.Namespace, repeat: bool) -> tf.data.Dataset:
+    """Synthetic records read in blocks of 64 with a simulated read cost (like waiting on network storage)."""
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(samples, features)).astype("float32")
+    x = rng.normal(size=(args.samples, args.features)).astype("float32")
     y = (x.sum(axis=1, keepdims=True) > 0).astype("float32")
     ds = tf.data.Dataset.from_tensor_slices((x, y))
-    if map_delay:
-        def slow(a, b):
-            return tf.numpy_function(lambda v: (time.sleep(map_delay), v)[1], [a], tf.float32), b
-        ds = ds.map(slow)
-        ds = ds.map(lambda a, b: (tf.ensure_shape(a, [features]), b))
     if repeat:
         ds = ds.repeat()
-    return ds.batch(batch)
+    SLOW["delay"] = 0.0 if args.slow_after else args.map_delay
+    if args.map_delay or args.slow_after:
+        def read(block: np.ndarray) -> np.ndarray:
+            if SLOW["delay"]:
+                time.sleep(SLOW["delay"] * len(block))
+            return block
+
+        ds = ds.batch(READ_BLOCK).map(
+            lambda a, b: (tf.ensure_shape(tf.numpy_function(read, [a], tf.float32), a.shape), b),
+            num_parallel_calls=args.parallel_reads).unbatch()
+    if args.keep_every > 1:  # the seed's network bottleneck: drop 9 of 10 records after reading them
+        ds = ds.enumerate().filter(lambda i, r: i % args.keep_every == 0).map(lambda i, r: r)
+    if args.heavy_map:  # the seed's overloaded preprocessing: a costly op per record on the CPU
+        n = args.heavy_map
+
+        def heavy(a: tf.Tensor, b: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            m = tf.reshape(tf.tile(a, [n * n // args.features + 1])[: n * n], [n, n])
+            for _ in range(4):
+                m = tf.tanh(tf.matmul(m, m) / n)
+            return a + tf.reduce_mean(m) * 0, b
+
+        ds = ds.map(heavy)
+    return ds.batch(args.batch_size).prefetch(tf.data.AUTOTUNE)
 
 
-def model(features: int, steps_per_execution: int) -> tf.keras.Model:
-    m = tf.keras.Sequential([tf.keras.Input((features,)), tf.keras.layers.Dense(32, activation="relu"),
+def model(features: int, width: int, steps_per_execution: int) -> tf.keras.Model:
+    m = tf.keras.Sequential([tf.keras.Input((features,)), tf.keras.layers.Dense(width, activation="relu"),
+                             tf.keras.layers.Dense(width, activation="relu"),
                              tf.keras.layers.Dense(1, activation="sigmoid")])
     m.compile(optimizer="sgd", loss="binary_crossentropy", steps_per_execution=steps_per_execution)
     return m
+
+
+class PostProcessing(tf.keras.callbacks.Callback):
+    """The seed's heavy post-processing: builds random images from the outputs after every batch."""
+
+    def __init__(self, milliseconds: float):
+        super().__init__()
+        self.seconds = milliseconds / 1000
+
+    def on_train_batch_end(self, batch, logs=None):
+        deadline = time.perf_counter() + self.seconds
+        rng = np.random.default_rng(batch)
+        while time.perf_counter() < deadline:
+            rng.random((64, 32, 32)).astype("uint8")
 
 
 def main() -> None:
@@ -52,15 +89,26 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--steps-per-execution", type=int, default=1)
     p.add_argument("--features", type=int, default=16)
-    p.add_argument("--map-delay", type=float, default=0.0, help="seconds of sleep per record in the input map")
+    p.add_argument("--width", type=int, default=32, help="hidden units per layer")
+    p.add_argument("--map-delay", type=float, default=0.0, help="seconds of simulated read cost per record")
+    p.add_argument("--parallel-reads", type=int, default=tf.data.AUTOTUNE)
+    p.add_argument("--keep-every", type=int, default=1, help="keep 1 of every N records read")
+    p.add_argument("--heavy-map", type=int, default=0, help="size of a costly per-record matmul in map")
+    p.add_argument("--post-ms", type=float, default=0.0, help="milliseconds of post-processing after each batch")
+    p.add_argument("--slow-after", type=float, default=0.0, help="turn the --map-delay read cost on after N s")
     p.add_argument("--seconds", type=float, default=0.0, help="train on a repeating dataset for this long")
     args = p.parse_args()
 
     batch = args.batch_size if args.explicit_batch_size else None
-    ds = dataset(args.samples, args.batch_size, args.features, args.map_delay, repeat=args.seconds > 0)
-    m = model(args.features, args.steps_per_execution)
+    ds = dataset(args, repeat=args.seconds > 0)
+    m = model(args.features, args.width, args.steps_per_execution)
+    if args.slow_after:
+        timer = threading.Timer(args.slow_after, lambda: SLOW.update(delay=args.map_delay))
+        timer.daemon = True
+        timer.start()
     if args.mode == "fit":
         callback = TfprofdCallback(job=args.job, batch_size=batch)
+        extra = [PostProcessing(args.post_ms)] if args.post_ms else []
         if args.seconds:
             steps = max(1, math.ceil(args.samples / args.batch_size))
             deadline = time.monotonic() + args.seconds
@@ -70,10 +118,9 @@ def main() -> None:
                     if time.monotonic() > deadline:
                         self.model.stop_training = True
 
-            history = m.fit(ds, epochs=10**6, steps_per_epoch=steps, callbacks=[callback, Until()], verbose=0)
-            del history
+            m.fit(ds, epochs=10**6, steps_per_epoch=steps, callbacks=[callback, *extra, Until()], verbose=0)
         else:
-            m.fit(ds, epochs=args.epochs, callbacks=[callback], verbose=0)
+            m.fit(ds, epochs=args.epochs, callbacks=[callback, *extra], verbose=0)
         reporter = callback.reporter
         steps, samples = reporter.exact_counts()
     else:
