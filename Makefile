@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: run test lint golden bench system-deps clean
+.PHONY: run test lint golden bench demo system-deps clean
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ $(VENV)/.test: $(VENV)/.runtime
 # Without root it keeps its state under ~/.local/state/tfprofd.
 run: $(VENV)/.runtime
 	$(VENV)/bin/tfprofd run $(ARGS)
+
+# The whole loop in about a minute: agent, Keras job, input bottleneck, rule, capture, analysis.
+demo: $(VENV)/.test
+	$(VENV)/bin/tfprofd demo
 
 # Debian's prometheus (promtool), alertmanager (amtool), node_exporter and systemd-analyze.
 system-deps:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tfprofd.exporter.hook import Reporter
 
-from common import ROOT, free_port, wait_http
+from common import free_port, wait_http
 from helpers import GpuState, build_fakenvml, gpu
 
 INTERVAL = 1.0
@@ -105,8 +105,8 @@ def trigger(tmp: Path) -> list[float]:
     log_path = tmp / "train.log"
     env = {**os.environ, "TFPROFD_ADDR": f"127.0.0.1:{hook_port}", "TF_CPP_MIN_LOG_LEVEL": "0"}
     with open(log_path, "w") as log:
-        job = subprocess.Popen([sys.executable, str(ROOT / "tests/jobs/train.py"), "--job", "trig", "--seconds",
-                                "120"], env=env, stdout=subprocess.DEVNULL, stderr=log)
+        job = subprocess.Popen([sys.executable, "-m", "tfprofd.daemon.demo_job", "--job", "trig", "--seconds", "120"],
+                               env=env, stdout=subprocess.DEVNULL, stderr=log)
     latencies = []
     try:
         deadline = time.time() + 90

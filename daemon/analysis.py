@@ -68,10 +68,12 @@ def _tool(trace: Path, tool: str) -> Any:
 
     try:
         data, _ = raw_to_tool_data.xspace_to_tool_data([str(trace)], tool, {})
-    except Exception as exc:  # xprof raises plain exceptions for corrupt protobufs
-        raise AnalysisError(f"xprof could not read {trace.name} ({tool}): {exc}") from None
+    except Exception as exc:  # xprof raises plain exceptions for some corrupt protobufs
+        raise AnalysisError(f"cannot analyse {trace.name}: not a readable profile, corrupt or truncated "
+                            f"({tool}: {exc})") from None
     if not data:
-        raise AnalysisError(f"xprof returned nothing for {trace.name} ({tool}): is the file truncated?")
+        raise AnalysisError(f"cannot analyse {trace.name}: not a readable profile, corrupt or truncated "
+                            f"({tool} returned nothing)")
     return json.loads(data)
 
 

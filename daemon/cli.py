@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and print every problem at once")
     check.add_argument("path")
 
-    # Listed for --help; main() hands "analyze" to the analysis module's own parser.
+    # Listed for --help; main() hands these to their modules' own parsers.
     sub.add_parser("analyze", help="say what bound the training step in a profile (tfprofd analyze --help)")
+    sub.add_parser("demo", help="agent + Keras job + input bottleneck + capture + analysis, in about a minute")
 
     capture = sub.add_parser("capture", help="ask the running agent to capture a profile now")
     capture.add_argument("--job", help="training job to profile (needed when several report)")
@@ -153,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .analysis import main as analyze_main
 
         return analyze_main(argv[1:])
+    if argv[:1] == ["demo"]:
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
     return COMMANDS[args.command](args)
 

@@ -298,6 +298,8 @@ def _make_callback_class() -> type:
             self._samples_base = 0
             self._last_batch = -1
             self._in_fit = False
+            # Report from now on, before the first step: the agent sees slow initialization.
+            self.reporter.start()
 
         def _iterations(self) -> int:
             return int(self.model.optimizer.iterations.numpy())

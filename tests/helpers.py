@@ -211,9 +211,9 @@ def _split_labels(text: str) -> list[str]:
 
 
 def start_training(hook_port: int, *args: str) -> subprocess.Popen:
-    """tests/jobs/train.py as a subprocess reporting to an agent's hook port."""
+    """tfprofd.daemon.demo_job as a subprocess reporting to an agent's hook port."""
     env = {**os.environ, "TFPROFD_ADDR": f"127.0.0.1:{hook_port}", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, str(TESTS / "jobs" / "train.py"), *args], env=env,
+    return subprocess.Popen([sys.executable, "-m", "tfprofd.daemon.demo_job", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -10,15 +10,14 @@ import time
 
 import pytest
 
-from helpers import TESTS, GpuState, gpu, metric_value, wait_for
+from helpers import GpuState, gpu, metric_value, wait_for
 
 pytestmark = pytest.mark.tf
-TRAIN = TESTS / "jobs" / "train.py"
 
 
 def train(agent, *args: str, wait: bool = True) -> subprocess.Popen | dict:
     env = {**os.environ, "TFPROFD_ADDR": f"127.0.0.1:{agent.hook_port}", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(TRAIN), *args], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "tfprofd.daemon.demo_job", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     if not wait:
         return proc

@@ -1,4 +1,6 @@
-"""A small Keras job with the tfprofd hook, for tests, benchmarks and the demo.
+"""A small Keras job with the tfprofd hook, for `tfprofd demo`, the tests and the benchmarks.
+
+Run as ``python -m tfprofd.daemon.demo_job``; needs TensorFlow (``pip install 'tfprofd[tf]'``).
 
 Prints one JSON line at the end with what it really trained: {"steps": N, "samples": N, "pid": N}.
 """
@@ -97,6 +99,8 @@ def main() -> None:
     p.add_argument("--post-ms", type=float, default=0.0, help="milliseconds of post-processing after each batch")
     p.add_argument("--slow-after", type=float, default=0.0, help="turn the --map-delay read cost on after N s")
     p.add_argument("--seconds", type=float, default=0.0, help="train on a repeating dataset for this long")
+    p.add_argument("--no-markers", action="store_true", help="no profiler step markers")
+    p.add_argument("--idle", type=float, default=0.0, help="wait this long (reporting, profiler up) before training")
     args = p.parse_args()
 
     batch = args.batch_size if args.explicit_batch_size else None
@@ -107,7 +111,8 @@ def main() -> None:
         timer.daemon = True
         timer.start()
     if args.mode == "fit":
-        callback = TfprofdCallback(job=args.job, batch_size=batch)
+        callback = TfprofdCallback(job=args.job, batch_size=batch, step_markers=not args.no_markers)
+        time.sleep(args.idle)
         extra = [PostProcessing(args.post_ms)] if args.post_ms else []
         if args.seconds:
             steps = max(1, math.ceil(args.samples / args.batch_size))

@@ -1,0 +1,20 @@
+"""Runs every benchmark in one go (`make bench`); each prints its own side-by-side figures and targets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHES = ("scrape.py", "hook_overhead.py", "capture_latency.py", "scenarios.py")
+
+if __name__ == "__main__":
+    here = Path(__file__).resolve().parent
+    failed = []
+    for bench in BENCHES:
+        print(f"==== {bench}", flush=True)
+        if subprocess.run([sys.executable, str(here / bench)], cwd=here).returncode != 0:
+            failed.append(bench)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    sys.exit(1 if failed else 0)

@@ -1,0 +1,171 @@
+"""Builds dashboards/tfprofd.json with grafana-foundation-sdk (Grafana's official dashboards-as-code SDK).
+
+    python dashboards/build.py          # rewrite tfprofd.json
+    python dashboards/build.py --check  # exit 1 if tfprofd.json differs from what this builds
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import dashboard, prometheus, stat, table, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import BigValueColorMode, GraphDrawStyle
+from grafana_foundation_sdk.models.dashboard import DashboardCursorSync, DataSourceRef, VariableRefresh
+
+OUTPUT = Path(__file__).with_name("tfprofd.json")
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+HOST = 'instance=~"$instance"'
+GPU = f'{HOST}, gpu=~"$gpu"'
+JOB = f'{HOST}, training_job=~"$training_job"'
+
+
+def query(expr: str, legend: str = "", ref: str = "A", instant: bool = False) -> prometheus.Dataquery:
+    q = prometheus.Dataquery().expr(expr).legend_format(legend or "__auto").ref_id(ref).datasource(DATASOURCE)
+    return q.instant() if instant else q.range()
+
+
+def series(title: str, unit: str, *queries: prometheus.Dataquery, description: str = "", width: int = 8,
+           maximum: float | None = None) -> timeseries.Panel:
+    panel = (timeseries.Panel().title(title).unit(unit).datasource(DATASOURCE).span(width).height(8)
+             .description(description).fill_opacity(10).draw_style(GraphDrawStyle.LINE).min(0))
+    if maximum is not None:
+        panel = panel.max(maximum)
+    for q in queries:
+        panel = panel.with_target(q)
+    return panel
+
+
+def variable(name: str, label: str, expr: str) -> dashboard.QueryVariable:
+    return (dashboard.QueryVariable(name).label(label).datasource(DATASOURCE)
+            .query({"query": expr, "refId": f"{name}-query"}).refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .multi(True).include_all(True).all_value(".*"))
+
+
+def build() -> dashboard.Dashboard:
+    rate = "$__rate_interval"
+    d = (dashboard.Dashboard("tfprofd: GPU training host").uid("tfprofd-host").tags(["tfprofd", "gpu", "training"])
+         .description("GPU, host and training throughput from tfprofd, with captures and their bottlenecks.")
+         .time("now-1h", "now").refresh("30s").tooltip(DashboardCursorSync.CROSSHAIR).editable()
+         .with_variable(dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+         .with_variable(variable("instance", "Host", "label_values(tfprofd_build_info, instance)"))
+         .with_variable(variable("gpu", "GPU", 'label_values(tfprofd_gpu_info{instance=~"$instance"}, gpu)'))
+         .with_variable(variable("training_job", "Training job",
+                                 'label_values(tfprofd_training_up{instance=~"$instance"}, training_job)'))
+         .annotation(dashboard.AnnotationQuery().name("Captures").datasource(DATASOURCE).enable(True)
+                     .icon_color("orange")
+                     .expr(f"max by (instance, training_job, kind) (tfprofd_capture_bottleneck_info{{{JOB}}}) "
+                           f"and on(instance, training_job) "
+                           f"(time() - tfprofd_capture_last_timestamp_seconds{{{JOB}}} < 60)")))
+
+    d = d.with_row(dashboard.Row("Training"))
+    d = d.with_panel(series(
+        "Throughput", "suffix: samples/s",
+        query(f"sum by (instance, training_job) (rate(tfprofd_training_samples_total{{{JOB}}}[{rate}]))",
+              "{{training_job}} on {{instance}}"),
+        description="Training samples per second, the unit that compares runs with different batch sizes."))
+    d = d.with_panel(series(
+        "Step time", "s",
+        query(f"histogram_quantile(0.5, sum by (training_job, le) "
+              f"(rate(tfprofd_training_step_duration_seconds_bucket{{{JOB}}}[{rate}])))", "p50 {{training_job}}"),
+        query(f"histogram_quantile(0.95, sum by (training_job, le) "
+              f"(rate(tfprofd_training_step_duration_seconds_bucket{{{JOB}}}[{rate}])))", "p95 {{training_job}}",
+              "B"),
+        description="Step duration measured by the hook."))
+    d = d.with_panel(table.Panel().title("Job to GPU").unit("none").datasource(DATASOURCE).span(8).height(8)
+                     .description("Which training job runs on which GPU (NVML process list joined with the hook).")
+                     .with_target(query(f"max by (instance, gpu, training_job, worker) "
+                                        f"(tfprofd_gpu_job_info{{{JOB}}})", instant=True)))
+    d = d.with_panel(stat.Panel().title("Latest capture: input-bound").unit("percentunit").datasource(DATASOURCE)
+                     .span(8).height(6).color_mode(BigValueColorMode.BACKGROUND)
+                     .description("Share of step time waiting for input in the job's latest analysed capture.")
+                     .with_target(query(f"tfprofd_capture_input_bound_ratio{{{JOB}}}", "{{training_job}}",
+                                        instant=True)))
+    d = d.with_panel(table.Panel().title("Latest capture: bottleneck").unit("none").datasource(DATASOURCE)
+                     .span(8).height(6).description("Bottleneck named by the job's latest analysed capture.")
+                     .with_target(query(f"max by (instance, training_job, kind) "
+                                        f"(tfprofd_capture_bottleneck_info{{{JOB}}})", instant=True)))
+    d = d.with_panel(series(
+        "Rules active", "none",
+        query(f"max by (rule) (tfprofd_rule_active{{{HOST}}})", "{{rule}}"),
+        description="1 while a tfprofd rule fires (low GPU utilization, throughput drop, bottlenecks...).",
+        maximum=1))
+
+    d = d.with_row(dashboard.Row("GPU"))
+    d = d.with_panel(series("GPU utilization", "percentunit",
+                            query(f"tfprofd_gpu_utilization_ratio{{{GPU}}}", "GPU {{gpu}} {{instance}}"),
+                            query(f"tfprofd_gpu_memory_utilization_ratio{{{GPU}}}", "GPU {{gpu}} memory", "B"),
+                            maximum=1))
+    d = d.with_panel(series("GPU memory used", "bytes",
+                            query(f"tfprofd_gpu_memory_used_bytes{{{GPU}}}", "GPU {{gpu}} {{instance}}"),
+                            query(f"max(tfprofd_gpu_memory_total_bytes{{{GPU}}})", "total", "B")))
+    d = d.with_panel(series("GPU power", "watt", query(f"tfprofd_gpu_power_watts{{{GPU}}}", "GPU {{gpu}}")))
+    d = d.with_panel(series("GPU temperature", "celsius",
+                            query(f"tfprofd_gpu_temperature_celsius{{{GPU}}}", "GPU {{gpu}}")))
+    d = d.with_panel(series("GPU clocks", "hertz",
+                            query(f"tfprofd_gpu_sm_clock_hertz{{{GPU}}}", "SM GPU {{gpu}}"),
+                            query(f"tfprofd_gpu_memory_clock_hertz{{{GPU}}}", "memory GPU {{gpu}}", "B")))
+    d = d.with_panel(series("Clock throttle reasons", "none",
+                            query(f"max by (gpu, reason) (tfprofd_gpu_clock_event_reason_active{{{GPU}}})",
+                                  "GPU {{gpu}} {{reason}}"),
+                            description="1 while the reason holds the GPU's clocks down.", maximum=1))
+
+    d = d.with_row(dashboard.Row("Host"))
+    d = d.with_panel(series(
+        "CPU by mode", "percentunit",
+        query(f"sum by (mode) (rate(tfprofd_cpu_seconds_total{{{HOST}, mode!=\"idle\"}}[{rate}])) "
+              f"/ scalar(max(tfprofd_cpus{{{HOST}}}))", "{{mode}}"),
+        description="Share of all CPUs per mode (idle left out); iowait high with low GPU use means I/O-bound."))
+    d = d.with_panel(series("Memory", "bytes",
+                            query(f"tfprofd_memory_used_bytes{{{HOST}}}", "used {{instance}}"),
+                            query(f"tfprofd_memory_available_bytes{{{HOST}}}", "available {{instance}}", "B")))
+    d = d.with_panel(series("Disk throughput", "Bps",
+                            query(f"sum by (device) (rate(tfprofd_disk_read_bytes_total{{{HOST}}}[{rate}]))",
+                                  "read {{device}}"),
+                            query(f"sum by (device) (rate(tfprofd_disk_written_bytes_total{{{HOST}}}[{rate}]))",
+                                  "written {{device}}", "B")))
+    d = d.with_panel(series("Network throughput", "Bps",
+                            query(f"sum by (device) (rate(tfprofd_network_receive_bytes_total{{{HOST}}}[{rate}]))",
+                                  "receive {{device}}"),
+                            query(f"sum by (device) (rate(tfprofd_network_transmit_bytes_total{{{HOST}}}[{rate}]))",
+                                  "transmit {{device}}", "B")))
+    d = d.with_panel(series("CPU iowait and load", "percentunit",
+                            query(f"tfprofd_cpu_iowait_ratio{{{HOST}}}", "iowait {{instance}}"),
+                            query(f"tfprofd_cpu_utilization_ratio{{{HOST}}}", "busy {{instance}}", "B"),
+                            maximum=1))
+
+    d = d.with_row(dashboard.Row("tfprofd"))
+    d = d.with_panel(series("Collector health", "none",
+                            query(f"min by (collector) (tfprofd_collector_success{{{HOST}}})", "{{collector}}"),
+                            description="1 when the collector's latest sample succeeded.", maximum=1))
+    d = d.with_panel(series("Captures", "none",
+                            query(f"sum by (trigger, status) (increase(tfprofd_captures_total{{{HOST}}}[1h]))",
+                                  "{{trigger}} {{status}}"),
+                            description="Captures finished in the last hour, by trigger and status."))
+    d = d.with_panel(series("Hook reports", "reqps",
+                            query(f"sum (rate(tfprofd_hook_reports_total{{{HOST}}}[{rate}]))", "accepted"),
+                            query(f"sum by (reason) (rate(tfprofd_hook_reports_rejected_total{{{HOST}}}[{rate}]))",
+                                  "rejected {{reason}}", "B"),
+                            description="Training-hook datagrams accepted and rejected (by reason) per second."))
+    return d.build()
+
+
+def render() -> str:
+    return json.dumps(build(), cls=JSONEncoder, indent=2, sort_keys=True) + "\n"
+
+
+def main() -> int:
+    text = render()
+    if "--check" in sys.argv[1:]:
+        if OUTPUT.read_text() != text:
+            print(f"{OUTPUT} is stale: run python dashboards/build.py", file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Analysis failures: corrupt, truncated and empty traces, and traces without step markers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tfprofd.daemon.captures import CaptureManager, CaptureRecord
+
+from helpers import http, job_reporting, metric_value, start_training, wait_capture, wait_for
+
+pytestmark = pytest.mark.tf
+
+
+def analyze_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tfprofd.daemon", "analyze", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_corrupt_trace_is_a_clear_error(tmp_path):
+    trace = tmp_path / "plugins/profile/2026_01_01_00_00_00/host_1.xplane.pb"
+    trace.parent.mkdir(parents=True)
+    trace.write_bytes(os.urandom(4096))
+    result = analyze_cli(str(tmp_path))
+    assert result.returncode == 1 and "cannot analyse host_1.xplane.pb: not a readable profile" in result.stderr
+    as_json = analyze_cli(str(trace), "--json")
+    assert as_json.returncode == 1 and "corrupt or truncated" in json.loads(as_json.stdout)["error"]
+    assert trace.exists()  # the raw file stays
+
+
+def test_empty_and_missing_traces(tmp_path):
+    trace = tmp_path / "tiny.xplane.pb"
+    trace.write_bytes(b"\x0a" * 200)
+    assert "an empty trace" in analyze_cli(str(trace)).stderr
+    assert "does not exist" in analyze_cli(str(tmp_path / "nothing-here")).stderr
+    (tmp_path / "empty-dir").mkdir()
+    assert "no .xplane.pb under" in analyze_cli(str(tmp_path / "empty-dir")).stderr
+
+
+@pytest.fixture(scope="module")
+def unmarked(tmp_path_factory):
+    """An agent, and a capture of a Keras job trained without step markers."""
+    from helpers import AgentProcess
+
+    tmp = tmp_path_factory.mktemp("analysis")
+    (tmp / "tfprofd.yaml").write_text("rules: []\n")
+    agent = AgentProcess(tmp, args=["--config", str(tmp / "tfprofd.yaml"), "--captures.max-per-hour", "100"]).start()
+    job = start_training(agent.hook_port, "--job", "plain", "--no-markers", "--seconds", "60")
+    try:
+        wait_for(lambda: (metric_value(agent.scrape(), "tfprofd_training_steps_total", training_job="plain") or 0) > 50,
+                 90, message="the unmarked job to train")
+        status, answer = http("POST", f"{agent.api}/captures", {"job": "plain", "duration_ms": 1000})
+        assert status == 202, answer
+        record = wait_capture(agent, answer["id"], timeout=180)
+        yield agent, record
+    finally:
+        job.kill()
+        job.wait()
+        agent.stop()
+
+
+def test_trace_without_step_markers_is_unknown_with_a_reason(unmarked):
+    agent, record = unmarked
+    assert record["status"] == "done", record
+    analysis = record["analysis"]
+    assert analysis["bottleneck"] == "unknown" and analysis["steps"] == 0
+    assert "no training steps" in analysis["summary"] and "step markers" in analysis["recommendation"]
+    assert metric_value(agent.scrape(), "tfprofd_capture_bottleneck_info", training_job="plain", kind="unknown") == 1
+    # xprof's cache files sit beside the trace and count in the record's bytes.
+    directory = Path(record["directory"])
+    trace = directory / record["files"][0]
+    assert record["bytes"] > trace.stat().st_size
+
+
+def test_truncated_trace_gives_analysis_failed_and_keeps_the_files(unmarked, tmp_path):
+    _, record = unmarked
+    source = Path(record["directory"]) / record["files"][0]
+    directory = tmp_path / "captures" / "truncated"
+    trace = directory / record["files"][0]
+    trace.parent.mkdir(parents=True)
+    trace.write_bytes(source.read_bytes()[: source.stat().st_size // 3])
+    manager = CaptureManager(tmp_path / "captures", lambda: {})
+    broken = CaptureRecord(id="truncated", trigger="manual", job="plain", targets=[], requested_at=0, duration_ms=1000,
+                           mode="server", status="analyzing", files=[record["files"][0]], directory=str(directory))
+    manager._analyze(broken, timeout=120)
+    assert broken.status == "analysis_failed" and broken.reason == "analysis_error"
+    assert "corrupt or truncated" in broken.detail
+    assert trace.exists()
+
+
+def test_idle_process_gives_empty_trace_and_the_stub_is_deleted(unmarked, tmp_path):
+    agent, _ = unmarked
+    job = start_training(agent.hook_port, "--job", "idle", "--idle", "40", "--seconds", "1")
+    try:
+        wait_for(lambda: job_reporting(agent, "idle"), 90, message="the idle job to report")
+        status, answer = http("POST", f"{agent.api}/captures", {"job": "idle", "duration_ms": 1000})
+        assert status == 202, answer
+        record = wait_capture(agent, answer["id"], timeout=120)
+    finally:
+        job.kill()
+        job.wait()
+    assert (record["status"], record["reason"]) == ("failed", "empty_trace"), record
+    assert not list(Path(record["directory"]).glob("**/*.xplane.pb"))
+    assert agent.proc.poll() is None
+    shutil.rmtree(record["directory"], ignore_errors=True)

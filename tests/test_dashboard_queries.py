@@ -1,0 +1,94 @@
+"""Every panel, annotation and variable query of the Grafana dashboard, run against the real Debian
+Prometheus scraping the real agent (simulated GPUs, a Keras job with the hook, one analysed capture)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+import urllib.parse
+
+import pytest
+
+from helpers import (
+    ROOT,
+    AgentProcess,
+    GpuState,
+    Server,
+    build_fakenvml,
+    free_port,
+    gpu,
+    http,
+    job_reporting,
+    start_training,
+    wait_capture,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.tf, pytest.mark.servers]
+
+SUBSTITUTIONS = {"$instance": ".*", "$gpu": ".*", "$training_job": ".*", "$__rate_interval": "1m"}
+
+
+def substitute(expr: str) -> str:
+    for variable, value in SUBSTITUTIONS.items():
+        expr = expr.replace(variable, value)
+    assert "$" not in expr, expr
+    return expr
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    board = json.loads((ROOT / "dashboards" / "tfprofd.json").read_text())
+    queries = [(f"panel {p['title']!r} {t['refId']}", t["expr"]) for p in board["panels"] for t in p.get("targets", [])]
+    queries += [(f"annotation {a['name']!r}", a["expr"]) for a in board["annotations"]["list"] if a.get("expr")]
+    for v in board["templating"]["list"]:
+        if v["type"] == "query":  # label_values(metric{...}, label): the metric must have that label
+            metric, label = re.fullmatch(r"label_values\((.+), (\w+)\)", v["query"]["query"]).groups()
+            queries.append((f"variable ${v['name']}", f"count by ({label}) ({metric})"))
+    return queries
+
+
+def test_every_dashboard_query_parses_and_returns_data(tmp_path):
+    if not shutil.which("prometheus"):
+        pytest.fail("prometheus not found: run `make test`, which installs Debian's packages")
+    build_fakenvml()
+    state = GpuState(tmp_path / "nvml.json", [gpu(0), gpu(1)])
+    # The shipped rules (for the rules panel) and the real /proc (for utilization ratios, which a static
+    # fixture /proc cannot give).
+    agent = AgentProcess(tmp_path, args=["--captures.duration", "1s"], env=state.env(), fixtures=False).start()
+    prom_port = free_port()
+    (tmp_path / "prometheus.yml").write_text(f"""
+global: {{scrape_interval: 1s, evaluation_interval: 1s}}
+scrape_configs:
+  - job_name: tfprofd
+    static_configs: [{{targets: ["127.0.0.1:{agent.port}"]}}]
+""")
+    job = start_training(agent.hook_port, "--job", "vit", "--seconds", "200", "--map-delay", "0.0002")
+    prometheus = None
+    try:
+        prometheus = Server(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'prom'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            f"http://127.0.0.1:{prom_port}/-/ready", tmp_path / "prometheus.log")
+        state.update_gpu(0, processes=[{"pid": job.pid, "used_memory_bytes": 2**30}])
+        wait_for(lambda: job_reporting(agent, "vit"), 90, message="the Keras job to report")
+        status, answer = http("POST", f"{agent.api}/captures", {"job": "vit"})
+        assert status == 202, answer
+        assert wait_capture(agent, answer["id"], timeout=120)["status"] == "done"
+        time.sleep(6)  # a few more scrapes, so rates and the capture annotation have samples
+
+        failures = []
+        for name, expr in dashboard_queries():
+            url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": substitute(expr)})
+            status, body = http("GET", url)
+            if status != 200 or body.get("status") != "success":
+                failures.append(f"{name}: does not parse: {body}")
+            elif not body["data"]["result"]:
+                failures.append(f"{name}: no data for {substitute(expr)}")
+        assert not failures, "\n".join(failures)
+    finally:
+        job.kill()
+        job.wait()
+        if prometheus:
+            prometheus.stop()
+        agent.stop()

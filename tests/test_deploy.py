@@ -1,0 +1,119 @@
+"""Deployment artefacts checked with the real tools: promtool, amtool, systemd-analyze, Grafana's SDK,
+and a schema check of the Helm chart (no helm binary can be installed here: templates are not rendered)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from helpers import ROOT
+
+PROMETHEUS = ROOT / "prometheus"
+CHART = ROOT / "helm" / "tfprofd"
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if not path:
+        pytest.fail(f"{name} not found: run `make test`, which installs Debian's packages")
+    return path
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+
+
+def test_committed_dashboard_is_what_the_builder_makes():
+    result = run(sys.executable, str(ROOT / "dashboards" / "build.py"), "--check")
+    assert result.returncode == 0, result.stderr
+
+
+def test_dashboard_is_modern_and_every_panel_has_a_unit():
+    board = json.loads((ROOT / "dashboards" / "tfprofd.json").read_text())
+    assert board["schemaVersion"] >= 39
+    assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "instance", "gpu", "training_job"}
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    assert {p["type"] for p in panels} <= {"timeseries", "table", "stat"}
+    for panel in panels:
+        assert panel["fieldConfig"]["defaults"].get("unit"), panel["title"]
+        assert set(panel["gridPos"]) == {"h", "w", "x", "y"}, panel["title"]
+        assert all(t["refId"] for t in panel["targets"]), panel["title"]
+    assert any(a.get("name") == "Captures" for a in board["annotations"]["list"])
+
+
+def test_alert_rules_pass_promtool_check_and_unit_tests():
+    promtool = tool("promtool")
+    check = run(promtool, "check", "rules", str(PROMETHEUS / "tfprofd-alerts.yaml"))
+    assert check.returncode == 0 and "SUCCESS: 6 rules found" in check.stdout, check.stdout + check.stderr
+    tests = run(promtool, "test", "rules", str(PROMETHEUS / "tfprofd-alerts.test.yaml"))
+    assert tests.returncode == 0 and "SUCCESS" in tests.stdout, tests.stdout + tests.stderr
+
+
+def test_every_alert_has_a_firing_and_a_quiet_case():
+    alerts = {r["alert"] for g in yaml.safe_load((PROMETHEUS / "tfprofd-alerts.yaml").read_text())["groups"]
+              for r in g["rules"]}
+    cases = yaml.safe_load((PROMETHEUS / "tfprofd-alerts.test.yaml").read_text())["tests"][0]["alert_rule_test"]
+    for alert in alerts:
+        mine = [c for c in cases if c["alertname"] == alert]
+        assert any(c["exp_alerts"] for c in mine) and any(not c["exp_alerts"] for c in mine), alert
+        rule = next(r for g in yaml.safe_load((PROMETHEUS / "tfprofd-alerts.yaml").read_text())["groups"]
+                    for r in g["rules"] if r["alert"] == alert)
+        assert {"summary", "description"} <= set(rule["annotations"]), alert
+
+
+def test_example_alertmanager_config_passes_amtool():
+    result = run(tool("amtool"), "check-config", str(PROMETHEUS / "alertmanager-example.yml"))
+    assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
+
+
+def test_systemd_unit_passes_systemd_analyze_verify(tmp_path):
+    unit = (ROOT / "systemd" / "tfprofd.service").read_text()
+    assert "EnvironmentFile=-/etc/default/tfprofd" in unit and "User=tfprofd" in unit
+    for option in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
+                   "DeviceAllow=/dev/nvidiactl rw", "Restart=on-failure", "StateDirectoryMode=2770"):
+        assert option in unit, option
+    # The unit runs /opt/tfprofd/bin/tfprofd (README's install); verify it against this checkout's tfprofd.
+    installed = shutil.which("tfprofd", path=str(Path(sys.executable).parent))
+    copy = tmp_path / "tfprofd.service"
+    copy.write_text(unit.replace("/opt/tfprofd/bin/tfprofd", installed))
+    result = run(tool("systemd-analyze"), "verify", str(copy))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr.strip() == "", result.stderr
+
+
+def test_helm_values_match_the_schema_and_bad_values_do_not():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    jsonschema.validate(values, schema)
+    for bad in ({**values, "ports": {**values["ports"], "metrics": "9847"}},
+                {**values, "captureDir": {"hostPath": "relative/path"}},
+                {**values, "serviceMonitr": {"enabled": True}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_helm_chart_metadata_and_gating():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2" and chart["name"] == "tfprofd"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"]) and chart["appVersion"]
+    templates = CHART / "templates"
+    for name, flag in (("servicemonitor.yaml", "serviceMonitor"), ("prometheusrule.yaml", "prometheusRule"),
+                       ("service.yaml", "service"), ("networkpolicy.yaml", "networkPolicy")):
+        assert (templates / name).read_text().startswith(f"{{{{- if .Values.{flag}.enabled }}}}"), name
+    daemonset = (templates / "daemonset.yaml").read_text()
+    assert "kind: DaemonSet" in daemonset and "readOnlyRootFilesystem" in (CHART / "values.yaml").read_text()
+    for match in re.finditer(r"hostNetwork:|hostPID:|hostPath:", daemonset):
+        before = daemonset[max(0, match.start() - 300):match.start()]
+        assert "Privilege:" in before, f"{match.group()} at offset {match.start()} needs a comment saying why"
+
+
+def test_helm_prometheus_rule_is_the_same_as_prometheus_folders():
+    assert (CHART / "files" / "tfprofd-alerts.yaml").read_bytes() == (PROMETHEUS / "tfprofd-alerts.yaml").read_bytes()
