@@ -54,6 +54,7 @@ class Collector:
 
     name: str = ""
     version: int = 0  # bumped whenever the data behind collect() changes; keys the rendered-text cache
+    latest: object = None  # the last sample, for collectors that keep one
 
     def sample(self) -> bool:
         """Read the system and keep the result. Return False on a partial failure; raise on a full one."""
@@ -64,6 +65,7 @@ class Collector:
 
     def clear(self) -> None:
         """Forget the last sample (called after a failed one, so stale values are not served)."""
+        self.latest = None
 
     def close(self) -> None:
         """Release what ``sample()`` opened (threads, handles)."""

@@ -70,9 +70,6 @@ class CpuCollector(Collector):
         )
         return True
 
-    def clear(self) -> None:
-        self.latest = None
-
     def utilization(self) -> float | None:
         return self.latest.utilization if self.latest else None
 

@@ -36,9 +36,6 @@ class DiskCollector(Collector):
         self.latest = DiskSample(devices, pressure_families(self.paths, "io"))
         return True
 
-    def clear(self) -> None:
-        self.latest = None
-
     def collect(self) -> Iterator[Metric]:
         s = self.latest
         if s is None:

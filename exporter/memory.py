@@ -33,9 +33,6 @@ class MemoryCollector(Collector):
                                    pressure_families(self.paths, "memory"))
         return True
 
-    def clear(self) -> None:
-        self.latest = None
-
     def used_ratio(self) -> float | None:
         s = self.latest
         return (s.total - s.available) / s.total if s and s.total else None

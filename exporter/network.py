@@ -82,9 +82,6 @@ class NetworkCollector(Collector):
         self.latest = NetworkSample(counters, speed, now, utilization)
         return True
 
-    def clear(self) -> None:
-        self.latest = None
-
     def collect(self) -> Iterator[Metric]:
         s = self.latest
         if s is None:

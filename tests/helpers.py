@@ -254,3 +254,23 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log_file.close()
+
+
+def start_prometheus(tmp: Path, scrape_port: int, rule_files: list[Path] | None = None,
+                     alertmanager_port: int | None = None) -> tuple[Server, int]:
+    """Debian's prometheus on a free loopback port, scraping the agent every second."""
+    port = free_port()
+    alerting = (f"alerting: {{alertmanagers: [{{static_configs: [{{targets: ['127.0.0.1:{alertmanager_port}']}}]}}]}}"
+                if alertmanager_port else "")
+    (tmp / "prometheus.yml").write_text(f"""
+global: {{scrape_interval: 1s, evaluation_interval: 1s}}
+rule_files: {json.dumps([str(f) for f in rule_files or []])}
+{alerting}
+scrape_configs:
+  - job_name: tfprofd
+    static_configs: [{{targets: ["127.0.0.1:{scrape_port}"]}}]
+""")
+    server = Server(["prometheus", f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'prom'}",
+                     f"--web.listen-address=127.0.0.1:{port}"],
+                    f"http://127.0.0.1:{port}/-/ready", tmp / "prometheus.log")
+    return server, port

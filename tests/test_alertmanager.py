@@ -20,6 +20,7 @@ from helpers import (
     gpu,
     http,
     job_reporting,
+    start_prometheus,
     start_training,
     wait_capture,
     wait_for,
@@ -48,7 +49,7 @@ def test_alert_from_prometheus_through_alertmanager_captures_once(tmp_path):
     config.write_text(AGENT_RULES)
     agent = AgentProcess(tmp_path, args=["--config", str(config), "--alerts.host-value", "127.0.0.1",
                                          "--captures.duration", "1s"], env=state.env()).start()
-    am_port, prom_port = free_port(), free_port()
+    am_port = free_port()
     (tmp_path / "alertmanager.yml").write_text(f"""
 route:
   receiver: tfprofd
@@ -62,15 +63,6 @@ receivers:
       - url: http://127.0.0.1:{agent.api_port}/api/v1/alerts
         send_resolved: true
 """)
-    (tmp_path / "prometheus.yml").write_text(f"""
-global: {{scrape_interval: 1s, evaluation_interval: 1s}}
-rule_files: ["{ROOT / 'prometheus' / 'tfprofd-alerts.yaml'}"]
-alerting:
-  alertmanagers: [{{static_configs: [{{targets: ["127.0.0.1:{am_port}"]}}]}}]
-scrape_configs:
-  - job_name: tfprofd
-    static_configs: [{{targets: ["127.0.0.1:{agent.port}"]}}]
-""")
     servers = []
     job = start_training(agent.hook_port, "--job", "bert", "--seconds", "300", "--map-delay", "0.0002")
     try:
@@ -78,10 +70,8 @@ scrape_configs:
                                f"--storage.path={tmp_path / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}",
                                "--cluster.listen-address="],
                               f"http://127.0.0.1:{am_port}/-/ready", tmp_path / "alertmanager.log"))
-        servers.append(Server(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
-                               f"--storage.tsdb.path={tmp_path / 'prom'}",
-                               f"--web.listen-address=127.0.0.1:{prom_port}"],
-                              f"http://127.0.0.1:{prom_port}/-/ready", tmp_path / "prometheus.log"))
+        servers.append(start_prometheus(tmp_path, agent.port, [ROOT / "prometheus" / "tfprofd-alerts.yaml"],
+                                        am_port)[0])
         state.update_gpu(0, processes=[{"pid": job.pid, "used_memory_bytes": 2**30}])
         wait_for(lambda: job_reporting(agent, "bert"), 90, message="the Keras job to report")
         state.update_gpu(0, utilization_gpu=10)

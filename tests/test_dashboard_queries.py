@@ -15,12 +15,11 @@ from helpers import (
     ROOT,
     AgentProcess,
     GpuState,
-    Server,
     build_fakenvml,
-    free_port,
     gpu,
     http,
     job_reporting,
+    start_prometheus,
     start_training,
     wait_capture,
     wait_for,
@@ -57,19 +56,10 @@ def test_every_dashboard_query_parses_and_returns_data(tmp_path):
     # The shipped rules (for the rules panel) and the real /proc (for utilization ratios, which a static
     # fixture /proc cannot give).
     agent = AgentProcess(tmp_path, args=["--captures.duration", "1s"], env=state.env(), fixtures=False).start()
-    prom_port = free_port()
-    (tmp_path / "prometheus.yml").write_text(f"""
-global: {{scrape_interval: 1s, evaluation_interval: 1s}}
-scrape_configs:
-  - job_name: tfprofd
-    static_configs: [{{targets: ["127.0.0.1:{agent.port}"]}}]
-""")
     job = start_training(agent.hook_port, "--job", "vit", "--seconds", "200", "--map-delay", "0.0002")
     prometheus = None
     try:
-        prometheus = Server(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'prom'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
-                            f"http://127.0.0.1:{prom_port}/-/ready", tmp_path / "prometheus.log")
+        prometheus, prom_port = start_prometheus(tmp_path, agent.port)
         state.update_gpu(0, processes=[{"pid": job.pid, "used_memory_bytes": 2**30}])
         wait_for(lambda: job_reporting(agent, "vit"), 90, message="the Keras job to report")
         status, answer = http("POST", f"{agent.api}/captures", {"job": "vit"})
