@@ -54,7 +54,11 @@ def start_agent(tmp: Path, gpus: int, interval: str = "1s", extra: list[str] | N
          "--api.listen", f"127.0.0.1:{free_port()}", "--hook.listen", f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}",
          "--state-dir", str(tmp / "state"), "--interval", interval, *(extra or [])],
         env={**os.environ, **state.env(), **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_http(f"http://127.0.0.1:{port}/metrics")
+    try:
+        wait_http(f"http://127.0.0.1:{port}/metrics")
+    except RuntimeError:
+        stop(proc)
+        raise
     return proc, port
 
 
@@ -62,7 +66,11 @@ def start_node_exporter() -> tuple[subprocess.Popen, int]:
     port = free_port()
     proc = subprocess.Popen(["prometheus-node-exporter", f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_http(f"http://127.0.0.1:{port}/metrics")
+    try:
+        wait_http(f"http://127.0.0.1:{port}/metrics")
+    except RuntimeError:
+        stop(proc)
+        raise
     return proc, port
 
 

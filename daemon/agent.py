@@ -388,6 +388,7 @@ class Agent:
         for collector in self.collectors.values():
             collector.close()
         if self.captures is not None:
-            self.captures.wait_idle(timeout=0.5)
+            self.captures.stop()
+            self.captures.wait_idle(timeout=1.0)
         log.info("tfprofd stopped")
 

@@ -85,6 +85,8 @@ class CaptureManager(Collector):
         self._finished: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._workers: set[subprocess.Popen] = set()
+        self._stopping = threading.Event()
         self.root.mkdir(parents=True, exist_ok=True)
         self._load()
 
@@ -203,20 +205,49 @@ class CaptureManager(Collector):
             self._save(record)
         self.enforce_retention()
 
+    def _worker(self, module: str, args: list[str], stdin: str, timeout: float) -> tuple[str, dict[str, Any] | None]:
+        """Run ``python -m module`` with a hard timeout; ("ok", the JSON it printed) or (failure reason, None).
+
+        Failure reasons: ``timeout`` (killed), ``agent_stopped`` (terminated by stop()), ``error: ...``.
+        """
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        with self._lock:
+            self._workers.add(proc)
+        try:
+            out, err = proc.communicate(stdin, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return "timeout", None
+        finally:
+            with self._lock:
+                self._workers.discard(proc)
+        if self._stopping.is_set() and proc.returncode < 0:
+            return "agent_stopped", None
+        return _parse_result(out, proc.returncode, err)
+
+    def stop(self) -> None:
+        """Terminate running workers; their records finish as failed (agent_stopped), not silently lost."""
+        self._stopping.set()
+        with self._lock:
+            workers = list(self._workers)
+        for proc in workers:
+            proc.terminate()
+
     def _analyze(self, record: CaptureRecord, timeout: float) -> None:
         """Analyse the trace in a worker process (xprof needs 200-450 MB the agent must not hold)."""
-        command = [sys.executable, "-m", "tfprofd.daemon.analysis", record.directory, "--json",
-                   "--duration", str(record.duration_ms / 1000)]
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-            result = json.loads(proc.stdout)
-        except subprocess.TimeoutExpired:
-            result = {"error": f"analysis did not finish within {timeout:.0f}s"}
-        except ValueError:
-            result = {"error": f"analysis worker exited {proc.returncode}: {proc.stderr.strip()[-500:]}"}
+        outcome, result = self._worker("tfprofd.daemon.analysis",
+                                       [record.directory, "--json", "--duration", str(record.duration_ms / 1000)],
+                                       "", timeout)
+        if result is None:
+            detail = {"timeout": f"analysis did not finish within {timeout:.0f}s",
+                      "agent_stopped": "the agent stopped during the analysis"}.get(outcome, outcome)
+            result = {"error": detail}
         record.status = "done"
         if "error" in result:
-            record.status, record.reason, record.detail = "analysis_failed", "analysis_error", result["error"]
+            reason = "agent_stopped" if outcome == "agent_stopped" else "analysis_error"
+            record.status, record.reason, record.detail = "analysis_failed", reason, result["error"]
             log.warning("capture %s: analysis failed: %s (raw files kept in %s)", record.id, result["error"],
                         record.directory)
         else:
@@ -227,17 +258,15 @@ class CaptureManager(Collector):
         record.bytes = _tree_bytes(Path(record.directory))  # xprof's cache files count too
 
     def _spawn(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-        try:
-            proc = subprocess.run([sys.executable, "-m", "tfprofd.daemon.capture_worker"], input=json.dumps(request),
-                                  capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
+        outcome, result = self._worker("tfprofd.daemon.capture_worker", [], json.dumps(request), timeout)
+        if result is not None:
+            return result
+        if outcome == "timeout":
             return {"status": "failed", "reason": "timeout",
                     "detail": f"no answer from the profiler server within {timeout:.0f}s; the worker was killed"}
-        try:
-            return json.loads(proc.stdout.strip().splitlines()[-1])
-        except (IndexError, ValueError):
-            return {"status": "failed", "reason": "error",
-                    "detail": f"capture worker exited {proc.returncode}: {proc.stderr.strip()[-500:]}"}
+        if outcome == "agent_stopped":
+            return {"status": "failed", "reason": "agent_stopped", "detail": "the agent stopped during the capture"}
+        return {"status": "failed", "reason": "error", "detail": f"capture {outcome}"}
 
     def wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -293,6 +322,16 @@ class CaptureManager(Collector):
                     "1.", ["training_job", "kind"], (([job, r.analysis["bottleneck"]], 1) for job, r in analysed))
         yield gauge("capture_last_timestamp_seconds", "Unix time of the latest capture of the training job.",
                     ["training_job"], (([job], ts) for job, ts in sorted(last.items())))
+
+
+def _parse_result(out: str, returncode: int, err: str) -> tuple[str, dict[str, Any] | None]:
+    """A worker's JSON: all of stdout, or its last line (xprof's C++ logging also writes to stdout)."""
+    for candidate in (out, out.strip().splitlines()[-1] if out.strip() else ""):
+        try:
+            return "ok", json.loads(candidate)
+        except ValueError:
+            continue
+    return f"error: worker exited {returncode}: {err.strip()[-500:]}", None
 
 
 def _pct(value: float | None) -> str:

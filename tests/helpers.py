@@ -142,7 +142,12 @@ class AgentProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "tfprofd.daemon", "run", *self.args],
                                      env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT)
         if wait:
-            wait_for(self._ready, 20, message=f"agent to serve (log: {self.log()})")
+            try:
+                wait_for(self._ready, 20, message="agent to serve")
+            except AssertionError as exc:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"{exc}; log: {self.log()}") from None
         return self
 
     def _ready(self) -> bool:

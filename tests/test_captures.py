@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -164,6 +165,20 @@ def test_emit_xspace_mode_writes_the_trace_itself(rig, tmp_path):
     assert (tmp_path / result["files"][0]).stat().st_size > 100_000
     closed = capture_worker.capture_agent_mode({**request, "targets": [f"127.0.0.1:{free_port()}"]}, tmp_path)
     assert closed["reason"] == "no_server"
+
+
+def test_sigterm_during_a_capture_finishes_its_record_as_agent_stopped(rig):
+    agent, _, _ = rig
+    status, answer = post_capture(agent, {"job": "resnet", "duration_ms": 8000})
+    assert status == 202, answer
+    time.sleep(1.0)
+    took = agent.stop()
+    assert took < 2.0, f"stop took {took:.2f}s"
+    record = json.loads((Path(answer["url"].replace("/api/v1/captures/", str(agent.tmp / "state/captures") + "/"))
+                         / "record.json").read_text())
+    assert (record["status"], record["reason"]) == ("failed", "agent_stopped"), record
+    agent.start()
+    assert http("GET", f"{agent.api}/captures/{answer['id']}")[1]["reason"] == "agent_stopped"
 
 
 def test_records_survive_an_agent_restart(rig):
