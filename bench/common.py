@@ -54,18 +54,18 @@ def start_agent(tmp: Path, gpus: int, interval: str = "1s", extra: list[str] | N
          "--api.listen", f"127.0.0.1:{free_port()}", "--hook.listen", f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}",
          "--state-dir", str(tmp / "state"), "--interval", interval, *(extra or [])],
         env={**os.environ, **state.env(), **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/metrics")
-    except RuntimeError:
-        stop(proc)
-        raise
-    return proc, port
+    return serving(proc, port)
 
 
 def start_node_exporter() -> tuple[subprocess.Popen, int]:
     port = free_port()
     proc = subprocess.Popen(["prometheus-node-exporter", f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return serving(proc, port)
+
+
+def serving(proc: subprocess.Popen, port: int) -> tuple[subprocess.Popen, int]:
+    """Wait until the process serves /metrics on the port; stop it (no stray process) if it never does."""
     try:
         wait_http(f"http://127.0.0.1:{port}/metrics")
     except RuntimeError:

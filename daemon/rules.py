@@ -77,6 +77,8 @@ class Rule:
 # ---- parsing, with line numbers ----
 
 _RULE_KEYS = {"name", "description", "for", "while_training", "capture", "cooldown", "and"}
+_RULE_FIELDS = (("for", "for_seconds", parse_duration), ("cooldown", "cooldown", parse_duration),
+                ("while_training", "while_training", parse_bool), ("capture", "capture", parse_bool))
 _CONDITION_KEYS = {"signal", "aggregate", "window", "below", "above", "below_baseline", "above_baseline",
                    "baseline"}
 
@@ -84,6 +86,20 @@ _CONDITION_KEYS = {"signal", "aggregate", "window", "below", "above", "below_bas
 def _node_items(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[str, tuple[Any, int]]:
     return {str(loader.construct_object(k)): (loader.construct_object(v, deep=True), k.start_mark.line + 1)
             for k, v in node.value}
+
+
+def _typed_fields(items: dict[str, tuple[Any, int]], fields: tuple[tuple[str, str, Callable[[Any], Any]], ...],
+                  where: Callable[[int], str], key: str, problems: list[Problem]) -> dict[str, Any]:
+    """Parse the optional fields present in ``items`` as {attribute: value}; record each bad one."""
+    out: dict[str, Any] = {}
+    for yaml_key, attr, parse in fields:
+        if yaml_key in items:
+            raw, line = items[yaml_key]
+            try:
+                out[attr] = parse(raw)
+            except ValueError as exc:
+                problems.append(Problem(where(line), f"{key}.{yaml_key}", str(exc)))
+    return out
 
 
 def _condition(loader: yaml.SafeLoader, items: dict[str, tuple[Any, int]], where: Callable[[int], str],
@@ -100,13 +116,8 @@ def _condition(loader: yaml.SafeLoader, items: dict[str, tuple[Any, int]], where
         problems.append(Problem(where(line), f"{key}.aggregate",
                                 f"expected last, mean, min, max, increase or pNN, got {aggregate!r}"))
     values["aggregate"] = aggregate
-    for name in ("window", "baseline"):
-        if name in items:
-            raw, line = items[name]
-            try:
-                values[name] = parse_duration(raw)
-            except ValueError as exc:
-                problems.append(Problem(where(line), f"{key}.{name}", str(exc)))
+    values.update(_typed_fields(items, (("window", "window", parse_duration), ("baseline", "baseline", parse_duration)),
+                                where, key, problems))
     comparisons = [n for n in ("below", "above", "below_baseline", "above_baseline") if n in items]
     if len(comparisons) != 1:
         line = min((items[n][1] for n in comparisons), default=min((v[1] for v in items.values()), default=0))
@@ -160,16 +171,7 @@ def parse_rules(loader: yaml.SafeLoader, node: yaml.Node, path: str, problems: l
                 problems.append(Problem(where(line), f"{key}.and[{j}]", f"unknown key(s) {', '.join(sorted(unknown))}"))
             conditions.append(_condition(loader, {k: (v, line) for k, v in cond.items()}, where, f"{key}.and[{j}]",
                                          problems))
-        options: dict[str, Any] = {}
-        for yaml_key, attr, parse in (("for", "for_seconds", parse_duration), ("cooldown", "cooldown", parse_duration),
-                                      ("while_training", "while_training", parse_bool),
-                                      ("capture", "capture", parse_bool)):
-            if yaml_key in items:
-                raw, line = items[yaml_key]
-                try:
-                    options[attr] = parse(raw)
-                except ValueError as exc:
-                    problems.append(Problem(where(line), f"{key}.{yaml_key}", str(exc)))
+        options = _typed_fields(items, _RULE_FIELDS, where, key, problems)
         description = items.get("description", ("", 0))[0]
         if len(problems) == start:
             rules.append(Rule(name=name, description=str(description or ""),
