@@ -179,6 +179,7 @@ def test_sigterm_during_a_capture_finishes_its_record_as_agent_stopped(rig):
     assert (record["status"], record["reason"]) == ("failed", "agent_stopped"), record
     agent.start()
     assert http("GET", f"{agent.api}/captures/{answer['id']}")[1]["reason"] == "agent_stopped"
+    wait_for(lambda: job_reporting(agent, "resnet"), 10, message="the job to report to the restarted agent")
 
 
 def test_records_survive_an_agent_restart(rig):
@@ -189,6 +190,7 @@ def test_records_survive_an_agent_restart(rig):
     agent.start()
     after = {r["id"]: r["status"] for r in http("GET", f"{agent.api}/captures")[1]["captures"]}
     assert after == before
+    wait_for(lambda: job_reporting(agent, "resnet"), 10, message="the job to report to the restarted agent")
 
 
 def test_control_api_requires_the_token_when_set(tmp_path):
