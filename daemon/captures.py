@@ -128,10 +128,6 @@ class CaptureManager(Collector):
         with self._lock:
             return self.records.get(capture_id)
 
-    def busy(self, address: str) -> bool:
-        with self._lock:
-            return address in self._busy
-
     # ---- starting ----
 
     def start(self, trigger: str, targets: list[Target], duration_ms: int | None = None,

@@ -70,12 +70,6 @@ class CpuCollector(Collector):
         )
         return True
 
-    def utilization(self) -> float | None:
-        return self.latest.utilization if self.latest else None
-
-    def iowait(self) -> float | None:
-        return self.latest.iowait if self.latest else None
-
     def collect(self) -> Iterator[Metric]:
         s = self.latest
         if s is None:

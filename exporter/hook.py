@@ -145,8 +145,6 @@ class Reporter:
         self.first_step_seconds: float | None = None
         # Optional exact counters read on the background thread (set by the Keras callback).
         self.exact_counts: Callable[[], tuple[int, int]] | None = None
-        self.reports_sent = 0
-        self.send_errors = 0
         self._seq = 0
         self._sock = socket.socket(socket.AF_INET6 if ":" in self.addr[0] else socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
@@ -260,9 +258,7 @@ class Reporter:
             try:
                 self._sock.sendto(payload, self.addr)
             except OSError:
-                self.send_errors += 1
                 return False
-            self.reports_sent += 1
             return True
 
 
