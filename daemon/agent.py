@@ -24,7 +24,7 @@ from tfprofd.exporter.training import TrainingCollector
 
 from . import __version__, logs
 from . import config as configmod
-from .api import ControlApi, host_matcher
+from .api import ControlApi, alert_is_for_host
 from .captures import CaptureLimit, CaptureManager, Target
 from .exposition import CONTENT_TYPE, render
 from .httpserver import HttpError, HttpServer, Request, Response, Router, json_response
@@ -150,8 +150,8 @@ class Agent:
         if "gpu" in labels:
             mapping = training.job_gpus()
             if mapping:  # NVML lists the jobs' processes: only a job on this GPU counts
-                return any(gpu == labels["gpu"] and (job, worker) in training_now
-                           for gpu, _, job, worker in ((str(i), u, j, w) for i, u, j, w in mapping))
+                return any(str(index) == labels["gpu"] and (job, worker) in training_now
+                           for index, _, job, worker in mapping)
         return bool(training_now)
 
     def capture_groups(self, job: str | None, gpu: str | None) -> list[list[Target]]:
@@ -198,6 +198,9 @@ class Agent:
                 self.captures.start("rule", group, rule=rule.name, gpu=labels.get("gpu"))
             except CaptureLimit as exc:
                 log.warning("rule %s: no capture: %s", rule.name, exc.reason)
+
+    def _alert_is_for_host(self, labels: dict[str, str]) -> bool:
+        return alert_is_for_host(labels, self.cfg["alerts.host_label"], self.cfg["alerts.host_value"])
 
     def capture_settings(self) -> dict[str, object]:
         cfg = self.cfg
@@ -321,9 +324,7 @@ class Agent:
                                      token=self._token, name="api")
         state_dir = Path(self.cfg["state_dir"])
         self.captures = CaptureManager(state_dir / "captures", self.capture_settings, self.clock)
-        ControlApi(self.api, self.captures, self.capture_groups,
-                   lambda labels: host_matcher(self.cfg["alerts.host_label"], self.cfg["alerts.host_value"])(labels),
-                   state_dir)
+        ControlApi(self.api, self.captures, self.capture_groups, self._alert_is_for_host, state_dir)
         with self._lock:
             self._apply()
         self.metrics_server.start()

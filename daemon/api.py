@@ -161,14 +161,10 @@ class ControlApi:
         return json_response(200, outcome)
 
 
-def host_matcher(label: str, value: str) -> Callable[[dict[str, str]], bool]:
-    """Whether an alert's labels name this host: exact value, or host part of a host:port value."""
+def alert_is_for_host(labels: dict[str, str], label: str, value: str) -> bool:
+    """Whether an alert's ``label`` names this host (``value``, else the host name), or its host:port does."""
     expected = value or socket.gethostname()
-
-    def match(labels: dict[str, str]) -> bool:
-        got = labels.get(label)
-        if got is None:
-            return False
-        return got == expected or got.rsplit(":", 1)[0].strip("[]") == expected
-
-    return match
+    got = labels.get(label)
+    if got is None:
+        return False
+    return got == expected or got.rsplit(":", 1)[0].strip("[]") == expected
