@@ -48,7 +48,7 @@ class Agent:
         self.nvml_module = nvml
         self.collectors: dict[str, Collector] = {}
         self.runners: dict[str, CollectorRunner] = {}
-        self._rendered: dict[str, tuple[float, bytes]] = {}
+        self._rendered: dict[str, tuple[int, bytes]] = {}
         self.self_collector = SelfCollector(__version__, self.statuses)
         self._stopping = threading.Event()
         self._wake = threading.Event()
@@ -254,7 +254,9 @@ class Agent:
                 cached = (version, render(collector.collect()))
             except Exception:  # a broken collect() must not break the scrape
                 log.exception("collector %s failed to render metrics", name)
-                self.runners[name].status.success = False
+                runner = self.runners.get(name)  # rules and captures render without a sampling runner
+                if runner is not None:
+                    runner.status.success = False
                 return None
             self._rendered[name] = cached
         return cached[1]
