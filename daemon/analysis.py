@@ -189,6 +189,9 @@ def report(a: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .workers import die_with_parent
+
+    die_with_parent()
     parser = argparse.ArgumentParser(prog="tfprofd analyze",
                                      description="Say what bound the training step in a TensorFlow profile.")
     parser.add_argument("path", type=Path, help="a capture or TensorBoard log directory, or an .xplane.pb")

@@ -1,29 +1,128 @@
-"""The control API: captures on demand (``POST /api/v1/captures``) and the Alertmanager webhook."""
+"""The control API: captures on demand and the Alertmanager webhook. The one place that turns the
+agent's domain errors into HTTP status codes.
+
+Every request needs ``Authorization: Bearer <token>`` (the scheme in any case). The token comes from
+env ``TFPROFD_API_TOKEN`` or ``api.token_file``; without either the agent creates
+``<state_dir>/api.token`` on first start, readable by its group, and ``tfprofd capture`` reads it.
+A token file that is missing, empty or unreadable stops the agent from starting: it never runs open.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import socket
-import threading
-import time
-from collections import OrderedDict
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .captures import CaptureLimit, CaptureManager, Target
+from .captures import CaptureService
+from .errors import (
+    AmbiguousJob,
+    BudgetSpent,
+    CaptureBusy,
+    CoolingDown,
+    DomainError,
+    InvalidRequest,
+    NoProfiler,
+    NotFound,
+    NoTrainingJob,
+    StorageError,
+)
 from .httpserver import HttpError, Request, Response, Router, json_response
+from .policy import CapturePolicy
 
 log = logging.getLogger("tfprofd.api")
 
 CAPTURE_OPTIONS = {"host_tracer_level": (0, 3), "device_tracer_level": (0, 1), "python_tracer_level": (0, 1),
                    "delay_ms": (0, 60000)}
-SEEN_ALERTS_KEPT = 1000
+STATUS: dict[type[DomainError], int] = {InvalidRequest: 400, AmbiguousJob: 400, NotFound: 404, CaptureBusy: 409,
+                                        CoolingDown: 409, BudgetSpent: 429, StorageError: 507}
+# Domain errors an Alertmanager retry can cure: the job may start reporting, the capture finish, the disk clear.
+RETRYABLE = (NoTrainingJob, CaptureBusy, StorageError)
 
-# (job, gpu) -> one list of targets per capture to start; raises HttpError 404/400 when none fit.
-Resolver = Callable[[str | None, str | None], list[list[Target]]]
+
+def http_error(exc: DomainError) -> HttpError:
+    status = next(STATUS[cls] for cls in type(exc).__mro__ if cls in STATUS)
+    return HttpError(status, exc.reason, **exc.details)
+
+
+class TokenError(Exception):
+    """The control API has no usable token; the agent must not start."""
+
+
+class Token:
+    """The control API's bearer token: from env, a file (re-read when it changes), or generated on first start."""
+
+    def __init__(self, value: str, path: Path | None):
+        self._value = value
+        self._path = path
+        self._stamp: tuple[int, int, int] | None = None
+        if path is not None:
+            self._value = self._read()
+
+    @classmethod
+    def resolve(cls, env_token: str, token_file: str, state_dir: Path) -> Token:
+        if env_token.strip():
+            return cls(env_token.strip(), None)
+        if token_file:
+            return cls("", Path(token_file))
+        path = state_dir / "api.token"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        except FileExistsError:
+            return cls("", path)
+        except OSError as exc:
+            raise TokenError(f"cannot create the API token file {path}: {exc.strerror}") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        log.info("generated the control API token in %s (readable by the agent's group)", path)
+        return cls("", path)
+
+    def _read(self) -> str:
+        assert self._path is not None
+        try:
+            fd = os.open(self._path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd) as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise TokenError(f"API token file {self._path} is not a regular file")
+                if st.st_mode & 0o004:
+                    raise TokenError(f"API token file {self._path} is readable by every user (chmod o-r it)")
+                value = f.read(4096).strip()
+                self._stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError as exc:
+            raise TokenError(f"cannot read the API token file {self._path}: {exc.strerror}") from None
+        if not value:
+            raise TokenError(f"the API token file {self._path} is empty")
+        return value
+
+    def current(self) -> str:
+        """The token now (a changed file is re-read); raises TokenError if it became unusable."""
+        if self._path is not None:
+            try:
+                st = os.stat(self._path, follow_symlinks=False)
+                if (st.st_ino, st.st_size, st.st_mtime_ns) != self._stamp:
+                    self._value = self._read()
+            except OSError as exc:
+                raise TokenError(f"cannot read the API token file {self._path}: {exc.strerror}") from None
+        return self._value
+
+    def authenticate(self, request: Request) -> None:
+        """Raises HttpError 401 unless the request carries the token; runs before routing and body."""
+        try:
+            expected = self.current()
+        except TokenError as exc:
+            log.error("refusing control request: %s", exc)
+            raise HttpError(401, "the agent cannot read its token; see its log") from None
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
+            raise HttpError(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
 
 
 def _int_in(body: dict[str, Any], key: str, low: int, high: int) -> int | None:
@@ -38,7 +137,7 @@ def _int_in(body: dict[str, Any], key: str, low: int, high: int) -> int | None:
 def parse_capture_body(body: Any) -> dict[str, Any]:
     """Validate the optional body of POST /api/v1/captures."""
     if body is None:
-        return {}
+        body = {}
     if not isinstance(body, dict):
         raise HttpError(400, "body must be a JSON object")
     unknown = set(body) - {"job", "gpu", "duration_ms", "options"}
@@ -60,15 +159,29 @@ def parse_capture_body(body: Any) -> dict[str, Any]:
             "duration_ms": _int_in(body, "duration_ms", 100, 60000), "options": parsed}
 
 
+def alert_key(alert: dict[str, Any], labels: dict[str, str]) -> str:
+    """What identifies one firing of an alert: Alertmanager's fingerprint and startsAt (labels if no fingerprint)."""
+    fingerprint = alert.get("fingerprint")
+    if not isinstance(fingerprint, str) or not fingerprint:
+        fingerprint = "labels:" + hashlib.sha256(json.dumps(sorted(labels.items())).encode()).hexdigest()[:16]
+    return f"{fingerprint}|{alert.get('startsAt', '')}"
+
+
+def alert_is_for_host(labels: dict[str, str], label: str, value: str) -> bool:
+    """Whether an alert's ``label`` names this host (``value``, else the host name), or its host:port does."""
+    expected = value or socket.gethostname()
+    got = labels.get(label)
+    if got is None:
+        return False
+    return got == expected or got.rsplit(":", 1)[0].strip("[]") == expected
+
+
 class ControlApi:
-    def __init__(self, router: Router, captures: CaptureManager, resolve: Resolver,
-                 host_match: Callable[[dict[str, str]], bool], state_dir: Path):
+    def __init__(self, router: Router, captures: CaptureService, policy: CapturePolicy,
+                 host_match: Callable[[dict[str, str]], bool]):
         self.captures = captures
-        self.resolve = resolve
+        self.policy = policy
         self.host_match = host_match
-        self._seen_path = state_dir / "alerts_seen.json"
-        self._seen: OrderedDict[str, float] = self._load_seen()
-        self._seen_lock = threading.Lock()
         router.add("GET", "/api/v1/captures", self.list_captures)
         router.add("POST", "/api/v1/captures", self.create_capture)
         router.add("GET", "/api/v1/captures/{capture_id}", self.get_capture)
@@ -87,39 +200,15 @@ class ControlApi:
 
     def create_capture(self, request: Request) -> Response:
         body = parse_capture_body(request.json())
-        groups = self.resolve(body["job"], body["gpu"])
-        if len(groups) > 1:
-            jobs = sorted({g[0].job for g in groups})
-            raise HttpError(400, f"several training jobs report here ({', '.join(jobs)}); name one with \"job\"",
-                            jobs=jobs)
         try:
-            record = self.captures.start("manual", groups[0], duration_ms=body["duration_ms"], options=body["options"],
-                                         gpu=body["gpu"])
-        except CaptureLimit as exc:
-            raise HttpError(exc.status, exc.reason) from None
+            [record] = self.captures.request("manual", body["job"], body["gpu"], one_job=True,
+                                             duration_ms=body["duration_ms"], options=body["options"])
+        except DomainError as exc:
+            raise http_error(exc) from None
         return json_response(202, {"id": record.id, "status": record.status, "job": record.job,
                                    "url": f"/api/v1/captures/{record.id}"})
 
     # ---- Alertmanager webhook (payload version 4) ----
-
-    def _load_seen(self) -> OrderedDict[str, float]:
-        try:
-            return OrderedDict(json.loads(self._seen_path.read_text()))
-        except (OSError, ValueError):
-            return OrderedDict()
-
-    def _remember(self, key: str, now: float) -> bool:
-        """True the first time an alert instance (fingerprint + startsAt) is seen, persisted across restarts."""
-        with self._seen_lock:
-            if key in self._seen:
-                return False
-            self._seen[key] = now
-            while len(self._seen) > SEEN_ALERTS_KEPT:
-                self._seen.popitem(last=False)
-            tmp = self._seen_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self._seen))
-            os.replace(tmp, self._seen_path)
-            return True
 
     def alerts(self, request: Request) -> Response:
         payload = request.json()
@@ -127,44 +216,40 @@ class ControlApi:
             raise HttpError(400, "expected an Alertmanager webhook payload: an object with an \"alerts\" list")
         if str(payload.get("version", "4")) != "4":
             raise HttpError(400, f"unsupported webhook payload version {payload.get('version')!r}; expected \"4\"")
-        outcome: dict[str, list[Any]] = {"captures": [], "ignored": []}
         for index, alert in enumerate(payload["alerts"]):
             if not isinstance(alert, dict) or not isinstance(alert.get("labels"), dict):
                 raise HttpError(400, f"alerts[{index}] must be an object with a labels object")
-            labels = {str(k): str(v) for k, v in alert["labels"].items()}
-            name = labels.get("alertname", "?")
-            if alert.get("status") != "firing":
-                outcome["ignored"].append({"alert": name, "why": "resolved"})
-                continue
-            if not self.host_match(labels):
-                outcome["ignored"].append({"alert": name, "why": "another host"})
-                continue
-            key = f"{alert.get('fingerprint', '')}|{alert.get('startsAt', '')}"
-            if not self._remember(key, time.time()):
-                outcome["ignored"].append({"alert": name, "why": "already handled"})
-                log.info("alert %s already handled (fingerprint %s, startsAt %s)", name, alert.get("fingerprint"),
-                         alert.get("startsAt"))
-                continue
-            try:
-                groups = self.resolve(labels.get("training_job"), labels.get("gpu"))
-            except HttpError as exc:
-                outcome["ignored"].append({"alert": name, "why": exc.reason})
-                log.info("alert %s: no capture: %s", name, exc.reason)
-                continue
-            for group in groups:
-                try:
-                    record = self.captures.start("alert", group, alert=name, gpu=labels.get("gpu"))
-                    outcome["captures"].append(record.id)
-                except CaptureLimit as exc:  # answer 2xx anyway: a retry would not help
-                    outcome["ignored"].append({"alert": name, "why": exc.reason})
-                    log.info("alert %s: no capture: %s", name, exc.reason)
-        return json_response(200, outcome)
+        outcome: dict[str, list[Any]] = {"captures": [], "ignored": [], "retry": []}
+        for alert in payload["alerts"]:
+            self._alert(alert, outcome)
+        # 5xx makes Alertmanager send again; alerts already captured are remembered and not captured twice.
+        return json_response(503 if outcome["retry"] else 200, outcome)
 
-
-def alert_is_for_host(labels: dict[str, str], label: str, value: str) -> bool:
-    """Whether an alert's ``label`` names this host (``value``, else the host name), or its host:port does."""
-    expected = value or socket.gethostname()
-    got = labels.get(label)
-    if got is None:
-        return False
-    return got == expected or got.rsplit(":", 1)[0].strip("[]") == expected
+    def _alert(self, alert: dict[str, Any], outcome: dict[str, list[Any]]) -> None:
+        labels = {str(k): str(v) for k, v in alert["labels"].items()}
+        name = labels.get("alertname", "?")
+        if alert.get("status") != "firing":
+            outcome["ignored"].append({"alert": name, "why": "resolved"})
+            return
+        if not self.host_match(labels):
+            outcome["ignored"].append({"alert": name, "why": "another host"})
+            return
+        key = alert_key(alert, labels)
+        if self.policy.alert_handled(key):
+            outcome["ignored"].append({"alert": name, "why": "already handled"})
+            log.info("alert %s already handled (%s)", name, key)
+            return
+        try:
+            records = self.captures.request("alert", labels.get("training_job"), labels.get("gpu"), alert=name)
+        except RETRYABLE as exc:
+            outcome["retry"].append({"alert": name, "why": exc.reason})
+            log.info("alert %s: no capture yet (%s); Alertmanager will send it again", name, exc.reason)
+            return
+        except (NoProfiler, BudgetSpent, CoolingDown) as exc:  # a retry would not help
+            if isinstance(exc, NoProfiler):
+                self.policy.remember_alert(key)
+            outcome["ignored"].append({"alert": name, "why": exc.reason})
+            log.info("alert %s: no capture: %s", name, exc.reason)
+            return
+        self.policy.remember_alert(key)
+        outcome["captures"].extend(r.id for r in records)

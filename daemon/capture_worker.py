@@ -3,26 +3,33 @@
 Reads a JSON request on stdin, writes one JSON result line on stdout. Never imports TensorFlow.
 
 Two modes:
-- ``server``: the training process's profiler server writes the trace into ``logdir`` (the request
-  TensorBoard's Capture Profile button sends, through xprof's client). Its errors all arrive as one
-  generic RuntimeError, so the cause is worked out: port closed → ``no_server``; a tiny trace file →
-  ``empty_trace``; a fast failure on an open port → ``busy`` (another session active); a slow one with
-  no file → ``not_a_profiler``.
-- ``agent``: the same ProfileRequest with ``emit_xspace`` set, sent over raw gRPC; the server returns the
-  trace and this process writes it (for hosts where the two cannot share a directory). gRPC status
-  codes tell the causes apart directly.
+- ``agent`` (default): a ProfileRequest with ``emit_xspace`` over gRPC to every target at once, all
+  told to start at the same instant (``start_timestamp_ns``), so a multi-worker capture covers one
+  time window on every worker; each server answers with its trace and this process writes it. gRPC
+  status codes tell the causes apart.
+- ``server``: the request TensorBoard's Capture Profile button sends (xprof's client); the training
+  processes' profiler servers write the traces into ``logdir`` (several workers go in one
+  comma-separated service address, which traces them over one window). Its errors all arrive as one
+  generic RuntimeError, so the cause is worked out from what is left behind.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
+import re
 import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from .protos import profiler_pb2, xplane_pb2
+from .workers import die_with_parent
+
 EMPTY_TRACE_BYTES = 1024  # an idle process leaves a ~200-byte .xplane.pb
+START_LEAD_S = 0.3  # time for every worker to receive the request before the common start
 
 
 def _probe(address: str, timeout: float = 1.0) -> bool:
@@ -35,18 +42,31 @@ def _probe(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def _traces(logdir: Path) -> list[Path]:
-    return sorted(logdir.glob("plugins/profile/*/*.xplane.pb"))
+def trace_events(data: bytes) -> int:
+    """How many events a serialized XSpace holds (0 for a trace of a process that did nothing)."""
+    space = xplane_pb2.XSpace.FromString(data)
+    return sum(len(line.events) for plane in space.planes for line in plane.lines)
 
 
-def _result(status: str, reason: str | None, detail: str, logdir: Path, rpc_sent_at: float,
+def _is_empty(data: bytes) -> bool:
+    try:
+        return len(data) < EMPTY_TRACE_BYTES or trace_events(data) == 0
+    except Exception:  # not parseable as a trace: let the analysis say what is wrong with it
+        return False
+
+
+def _result(status: str, reason: str | None, detail: str, logdir: Path, rpc_sent_at: float | None,
             files: list[Path] | None = None) -> dict[str, Any]:
     files = files or []
     return {"status": status, "reason": reason, "detail": detail, "rpc_sent_at": rpc_sent_at,
             "files": [str(f.relative_to(logdir)) for f in files], "bytes": sum(f.stat().st_size for f in files)}
 
 
-def _drop_empty(files: list[Path]) -> None:
+def _traces(logdir: Path) -> list[Path]:
+    return sorted(logdir.glob("plugins/profile/*/*.xplane.pb"))
+
+
+def _drop(files: list[Path]) -> None:
     for f in files:
         f.unlink(missing_ok=True)
         try:
@@ -64,18 +84,19 @@ def capture_server_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]
                "python_tracer_level": request["python_tracer_level"], "delay_ms": request["delay_ms"]}
     started = time.time()
     try:
-        _pywrap_profiler_plugin.trace(targets[0], str(logdir), ",".join(targets) if len(targets) > 1 else "",
-                                      True, request["duration_ms"], 1, options)
+        _pywrap_profiler_plugin.trace(",".join(targets), str(logdir), "", True, request["duration_ms"], 1, options)
         error = None
     except RuntimeError as exc:
         error = str(exc).strip()
     elapsed = time.time() - started
     files = _traces(logdir)
-    real = [f for f in files if f.stat().st_size >= EMPTY_TRACE_BYTES]
+    real = [f for f in files if not _is_empty(f.read_bytes())]
     if real:
-        return _result("done", None, f"{len(real)} trace file(s)", logdir, started, real)
+        status, reason = ("done", None) if len(real) >= len(targets) else ("failed", "partial")
+        detail = f"{len(real)} trace file(s)" + ("" if status == "done" else f" for {len(targets)} targets")
+        return _result(status, reason, detail, logdir, started, real)
     if files:
-        _drop_empty(files)
+        _drop(files)
         return _result("failed", "empty_trace", "the profiler server collected no events: was the process "
                        "idle (no training steps) during the capture?", logdir, started)
     closed = [t for t in targets if not _probe(t)]
@@ -84,118 +105,101 @@ def capture_server_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]
                        "has no profiler server (or exited)", logdir, started)
     if elapsed < max(2.0, request["duration_ms"] / 1000 / 2):
         return _result("failed", "busy", "the profiler server refused at once: another profiling session is "
-                       f"probably active in that process (client said: {error})", logdir, started)
+                       "probably active in that process (TensorFlow allows one at a time: a Keras TensorBoard "
+                       f"callback with profile_batch, or another capture). xprof's client said: {error}",
+                       logdir, started)
     return _result("failed", "not_a_profiler", f"the port is open but no trace came back in {elapsed:.0f}s: "
                    f"is it a TensorFlow profiler server? (client said: {error})", logdir, started)
 
 
-# ---- emit_xspace over raw gRPC: field numbers from tsl/profiler/protobuf/profiler_service.proto ----
+# ---- agent mode: ProfileRequest with emit_xspace over gRPC ----
+
+def profile_request(request: dict[str, Any], host: str, session: str, start_ns: int) -> bytes:
+    options = profiler_pb2.ProfileOptions(
+        version=1, include_dataset_ops=True, host_tracer_level=request["host_tracer_level"],
+        device_tracer_level=request["device_tracer_level"], python_tracer_level=request["python_tracer_level"],
+        duration_ms=request["duration_ms"], start_timestamp_ns=start_ns)
+    return profiler_pb2.ProfileRequest(duration_ms=request["duration_ms"], opts=options, session_id=session,
+                                       host_name=host, emit_xspace=True).SerializeToString()
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+def failure_reason(code_name: str, detail: str) -> str:
+    """The reason a gRPC failure stands for, from its status code and the server's words."""
+    if "Another profil" in detail or code_name == "ALREADY_EXISTS":
+        return "busy"  # TensorFlow allows one profiling session per process
+    return {"UNAVAILABLE": "no_server", "DEADLINE_EXCEEDED": "timeout", "UNIMPLEMENTED": "not_a_profiler",
+            "RESOURCE_EXHAUSTED": "too_large"}.get(code_name, "error")
 
 
-def _field(number: int, wire: int, payload: bytes | int) -> bytes:
-    key = _varint(number << 3 | wire)
-    if wire == 0:
-        return key + _varint(int(payload))
-    assert isinstance(payload, bytes)
-    return key + _varint(len(payload)) + payload
+_REASON_WORDS = {
+    "busy": "another profiling session is active in that process (TensorFlow allows one at a time: a Keras "
+            "TensorBoard callback with profile_batch, or another capture)",
+    "no_server": "nothing answers there: the process has no profiler server or exited",
+    "timeout": "no answer before the deadline",
+    "not_a_profiler": "the port answers gRPC but is no TensorFlow profiler server",
+    "too_large": "the trace is larger than captures.max_trace_bytes",
+}
 
 
-def encode_profile_request(request: dict[str, Any], host: str, session_id: str) -> bytes:
-    """ProfileRequest{duration_ms=1, opts=4, repository_root=5, session_id=6, host_name=7, emit_xspace=9}."""
-    options = (_field(5, 0, 1)  # ProfileOptions.version
-               + _field(1, 0, 1)  # include_dataset_ops
-               + _field(2, 0, request["host_tracer_level"])
-               + _field(3, 0, request["device_tracer_level"])
-               + _field(4, 0, request["python_tracer_level"])
-               + _field(9, 0, request["duration_ms"]))
-    if request["delay_ms"]:
-        options += _field(8, 0, time.time_ns() + request["delay_ms"] * 1_000_000)  # start_timestamp_ns
-    return (_field(1, 0, request["duration_ms"]) + _field(4, 2, options) + _field(6, 2, session_id.encode())
-            + _field(7, 2, host.encode()) + _field(9, 0, 1))
+def _profile_one(target: str, payload: bytes, deadline: float, max_bytes: int) -> tuple[str, bytes | str]:
+    """("ok", xspace bytes) or (reason, detail) for one target."""
+    import grpc
+
+    options = [("grpc.max_receive_message_length", max_bytes), ("grpc.enable_http_proxy", 0)]
+    with grpc.insecure_channel(target, options=options) as channel:
+        call = channel.unary_unary("/tensorflow.ProfilerService/Profile")
+        try:
+            response = profiler_pb2.ProfileResponse.FromString(call(payload, timeout=deadline))
+        except grpc.RpcError as exc:
+            code, detail = exc.code(), (exc.details() or "").strip()
+            reason = failure_reason(code.name, detail)
+            return reason, f"{target}: {_REASON_WORDS.get(reason, code.name)} (gRPC {code.name}: {detail[:300]})"
+    if response.empty_trace or _is_empty(response.xspace):
+        return "empty_trace", f"{target}: the profiler server collected no events: was the process idle?"
+    return "ok", response.xspace
 
 
-def decode_profile_response(data: bytes) -> tuple[bool, bytes]:
-    """(empty_trace=7, xspace=8 as raw bytes) from a ProfileResponse."""
-    empty, xspace, i = False, b"", 0
-    while i < len(data):
-        key, i = _read_varint(data, i)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, i = _read_varint(data, i)
-            if number == 7:
-                empty = bool(value)
-        elif wire == 2:
-            length, i = _read_varint(data, i)
-            if number == 8:
-                xspace = data[i:i + length]
-            i += length
-        elif wire == 1:
-            i += 8
-        elif wire == 5:
-            i += 4
-        else:
-            raise ValueError(f"unexpected wire type {wire}")
-    return empty, xspace
-
-
-def _read_varint(data: bytes, i: int) -> tuple[int, int]:
-    shift = result = 0
-    while True:
-        byte = data[i]
-        i += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, i
-        shift += 7
+def _write_new(path: Path, data: bytes) -> None:
+    path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
-    import grpc
-
+    targets = request["targets"]
     session = time.strftime("%Y_%m_%d_%H_%M_%S", time.gmtime())
-    files: list[Path] = []
+    lead = max(START_LEAD_S, request["delay_ms"] / 1000)
+    start_ns = time.time_ns() + int(lead * 1e9)
+    deadline = max(60.0, 2 * request["duration_ms"] / 1000) + lead
     started = time.time()
-    deadline = max(60.0, 2 * request["duration_ms"] / 1000) + request["delay_ms"] / 1000
-    for target in request["targets"]:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(targets)) as pool:
+        answers = list(pool.map(lambda t: _profile_one(t, profile_request(request, t.rpartition(":")[0], session,
+                                                                          start_ns),
+                                                       deadline, request["max_trace_bytes"]), targets))
+    files: list[Path] = []
+    failures = []
+    for target, (outcome, data) in zip(targets, answers, strict=True):
+        if outcome != "ok":
+            failures.append((outcome, data))
+            continue
         host, _, port = target.rpartition(":")
-        channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 1 << 30)])
-        call = channel.unary_unary("/tensorflow.ProfilerService/Profile")
-        try:
-            response = call(encode_profile_request(request, host, session), timeout=deadline)
-        except grpc.RpcError as exc:
-            code, detail = exc.code(), exc.details() or ""
-            reason = {grpc.StatusCode.UNAVAILABLE: "no_server", grpc.StatusCode.ALREADY_EXISTS: "busy",
-                      grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
-                      grpc.StatusCode.UNIMPLEMENTED: "not_a_profiler"}.get(code, "error")
-            if reason == "error" and "Another profiling session" in detail:
-                reason = "busy"
-            return _result("failed", reason, f"{target}: {code.name}: {detail}", logdir, started, files)
-        finally:
-            channel.close()
-        empty, xspace = decode_profile_response(response)
-        if empty or len(xspace) < EMPTY_TRACE_BYTES:
-            return _result("failed", "empty_trace", f"{target}: the profiler server collected no events: was the "
-                           "process idle during the capture?", logdir, started, files)
-        path = logdir / "plugins" / "profile" / session / f"{host.strip('[]')}_{port}.xplane.pb"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(xspace)
+        name = re.sub(r"[^A-Za-z0-9.-]", "_", host.strip("[]")) + f"_{port}.xplane.pb"
+        path = logdir / "plugins" / "profile" / session / name
+        _write_new(path, data)  # type: ignore[arg-type]
         files.append(path)
-    return _result("done", None, f"{len(files)} trace file(s)", logdir, started, files)
+    if not failures:
+        return _result("done", None, f"{len(files)} trace file(s), one window from {start_ns / 1e9:.3f}", logdir,
+                       started, files)
+    reason = failures[0][0] if len(failures) == len(targets) else "partial"
+    detail = "; ".join(str(d) for _, d in failures)
+    if reason == "partial":
+        detail = f"{len(files)} of {len(targets)} workers traced; {detail}"
+    return _result("failed", reason, detail, logdir, started, files)
 
 
 def main() -> int:
+    die_with_parent()
     request = json.load(sys.stdin)
     logdir = Path(request["logdir"])
     try:

@@ -1,273 +1,192 @@
-"""Profile captures: start them in worker processes, keep a record of each on disk, enforce limits."""
+"""Captures: start them (policy permitting), run them in worker processes, analyse, record, retain.
+
+A capture's thread owns its record from ``running`` to a final status: whatever goes wrong in between
+(a worker that crashes, a full disk, a bug), the record ends ``failed`` with the reason and its
+processes are free again. Metrics are computed from the records at scrape time.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import secrets
-import shutil
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import Metric
 
-from tfprofd.exporter.base import Clock, Collector, counter, gauge
+from tfprofd.exporter.base import Clock, counter, gauge
+
+from .config import CaptureSettings
+from .errors import AmbiguousJob, DomainError, StorageError
+from .jobs import JobRegistry, Target
+from .policy import Admission, CapturePolicy
+from .records import ACTIVE, FINISHED, TRIGGERS, CaptureRecord, RecordStore, new_id, tree_bytes
+from .workers import WorkerPool
 
 log = logging.getLogger("tfprofd.captures")
 
-TRIGGERS = ("rule", "alert", "manual")
-FINISHED = ("done", "failed", "analysis_failed")
+AGENT_MODE_DIR = 0o750  # the agent writes the trace itself: its group may read, nobody else
 
 
-@dataclass
-class Target:
-    """One training process to profile."""
-
-    job: str
-    worker: str
-    address: str  # the profiler server's host:port
-
-
-@dataclass
-class CaptureRecord:
-    id: str
-    trigger: str
-    job: str
-    targets: list[dict[str, str]]
-    requested_at: float
-    duration_ms: int
-    mode: str
-    rule: str | None = None
-    alert: str | None = None
-    gpu: str | None = None
-    status: str = "running"
-    reason: str | None = None
-    detail: str | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    files: list[str] = field(default_factory=list)
-    bytes: int = 0
-    directory: str = ""
-    analysis: dict[str, Any] | None = None
-
-    def public(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class CaptureLimit(Exception):
-    """A capture that cannot start now: 409 (process busy) or 429 (rate limit)."""
-
-    def __init__(self, status: int, reason: str):
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-
-
-class CaptureManager(Collector):
-    """Starts captures, persists their records under ``<state_dir>/captures/<id>/``, and exports metrics."""
-
-    name = "captures"
-
-    def __init__(self, root: Path, settings: Callable[[], dict[str, Any]], clock: Clock | None = None):
-        self.root = root
+class CaptureService:
+    def __init__(self, settings: Callable[[], CaptureSettings], store: RecordStore, policy: CapturePolicy,
+                 jobs: JobRegistry, clock: Clock):
         self.settings = settings
-        self.clock = clock or Clock()
-        self.records: dict[str, CaptureRecord] = {}
-        self._busy: set[str] = set()
-        self._recent: list[float] = []
+        self.store = store
+        self.policy = policy
+        self.jobs = jobs
+        self.clock = clock
+        self.capture_workers = WorkerPool("capture", limit=8)
+        self.analysis_workers = WorkerPool("analysis", limit=2)  # xprof needs 200-450 MB each
+        self._records: dict[str, CaptureRecord] = {}
         self._finished: dict[tuple[str, str], int] = {}
+        self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._workers: set[subprocess.Popen] = set()
-        self._stopping = threading.Event()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._load()
-
-    # ---- records on disk ----
-
-    def _load(self) -> None:
-        for path in sorted(self.root.glob("*/record.json")):
-            try:
-                record = CaptureRecord(**json.loads(path.read_text()))
-            except (OSError, ValueError, TypeError) as exc:
-                log.error("unreadable capture record %s: %s (left in place)", path, exc)
-                continue
+        for record in store.load():
             if record.status not in FINISHED:
                 record.status, record.reason = "failed", "agent_restarted"
                 record.detail = "the agent stopped while this capture ran"
-                record.finished_at = record.finished_at or self.clock.time()
+                record.finished_at = record.finished_at or clock.time()
                 self._save(record)
-            self.records[record.id] = record
-        if self.records:
-            log.info("loaded %d capture record(s) from %s", len(self.records), self.root)
+            self._records[record.id] = record
+        if self._records:
+            log.info("loaded %d capture record(s) from %s", len(self._records), store.records_dir)
 
-    def _save(self, record: CaptureRecord) -> None:
-        directory = self.root / record.id
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / "record.json.tmp"
-        tmp.write_text(json.dumps(record.public(), indent=1, sort_keys=True))
-        os.replace(tmp, directory / "record.json")
-        self.version += 1
+    # ---- asking for captures ----
 
-    def update(self, record: CaptureRecord) -> None:
-        with self._lock:
-            self._save(record)
+    def request(self, trigger: str, job: str | None = None, gpu: str | None = None, *, one_job: bool = False,
+                duration_ms: int | None = None, options: dict[str, int] | None = None, rule: str | None = None,
+                alert: str | None = None, cooldown: float = 0.0) -> list[CaptureRecord]:
+        """Start captures for a job, a GPU, or every job (one per job). Raises the registry's and the policy's
+        domain errors, AmbiguousJob (``one_job`` and several match) and StorageError."""
+        groups = self.jobs.targets(job, gpu)
+        if one_job and len(groups) > 1:
+            jobs = sorted(g[0].job for g in groups)
+            raise AmbiguousJob(f"several training jobs report here ({', '.join(jobs)}); name one with \"job\"",
+                               jobs=jobs)
+        records, errors = [], []
+        for group in groups:  # one job's refusal does not stop the others' captures
+            try:
+                records.append(self.start(trigger, group, duration_ms=duration_ms, options=options, rule=rule,
+                                          alert=alert, gpu=gpu, cooldown=cooldown))
+            except DomainError as exc:
+                errors.append(exc)
+                if len(groups) > 1:
+                    log.info("no capture of job %s: %s", group[0].job, exc.reason)
+        if not records:
+            raise errors[0]
+        return records
 
-    def list(self) -> list[CaptureRecord]:
-        with self._lock:
-            return sorted(self.records.values(), key=lambda r: r.requested_at, reverse=True)
-
-    def get(self, capture_id: str) -> CaptureRecord | None:
-        with self._lock:
-            return self.records.get(capture_id)
-
-    # ---- starting ----
-
-    def start(self, trigger: str, targets: list[Target], duration_ms: int | None = None,
+    def start(self, trigger: str, targets: list[Target], *, duration_ms: int | None = None,
               options: dict[str, int] | None = None, rule: str | None = None, alert: str | None = None,
-              gpu: str | None = None) -> CaptureRecord:
-        """Start a capture in the background; raise CaptureLimit if the process is busy or the rate is spent."""
+              gpu: str | None = None, cooldown: float = 0.0) -> CaptureRecord:
         s = self.settings()
+        admission = self.policy.admit(targets, s.max_per_hour, rule=rule, cooldown=cooldown)
         now = self.clock.time()
+        record = CaptureRecord(id=new_id(now), trigger=trigger, job=targets[0].job,
+                               targets=[asdict(t) for t in targets], requested_at=now,
+                               duration_ms=duration_ms or int(s.duration * 1000), mode=s.mode, rule=rule, alert=alert,
+                               gpu=gpu)
+        try:
+            directory = self.store.create_capture_dir(record.id, s.dir_mode if s.mode == "server" else AGENT_MODE_DIR)
+            record.directory = str(directory)
+            self.store.save(record)
+        except OSError as exc:
+            self.policy.release(admission, refund=True)
+            raise StorageError(f"cannot create the capture's directory or record: {exc}") from None
         with self._lock:
-            busy = [t.address for t in targets if t.address in self._busy]
-            if busy:
-                raise CaptureLimit(409, f"a capture of {', '.join(busy)} is already running")
-            self._recent = [t for t in self._recent if now - t < 3600]
-            if len(self._recent) >= s["max_per_hour"]:
-                raise CaptureLimit(429, f"capture limit reached: {s['max_per_hour']} per hour "
-                                        "(captures.max_per_hour)")
-            self._recent.append(now)
-            self._busy.update(t.address for t in targets)
-            capture_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(3)
-            record = CaptureRecord(
-                id=capture_id, trigger=trigger, job=targets[0].job,
-                targets=[asdict(t) for t in targets], requested_at=now,
-                duration_ms=duration_ms or s["duration_ms"], mode=s["mode"], rule=rule, alert=alert, gpu=gpu,
-                directory=str(self.root / capture_id),
-            )
-            self.records[capture_id] = record
-            self._save(record)
-        log.info("capture %s started: trigger=%s job=%s targets=%s duration=%dms%s", record.id, trigger,
-                 record.job, ",".join(t.address for t in targets), record.duration_ms,
-                 f" rule={rule}" if rule else "")
-        request = {"mode": s["mode"], "targets": [t.address for t in targets], "duration_ms": record.duration_ms,
-                   "logdir": record.directory, **s["options"], **(options or {})}
-        thread = threading.Thread(target=self._run, args=(record, request, targets), daemon=True,
-                                  name=f"tfprofd-capture-{capture_id}")
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            self._records[record.id] = record
+        log.info("capture %s started: trigger=%s job=%s targets=%s duration=%dms%s", record.id, trigger, record.job,
+                 ",".join(t.address for t in targets), record.duration_ms, f" rule={rule}" if rule else "")
+        request = {"mode": s.mode, "targets": [t.address for t in targets], "duration_ms": record.duration_ms,
+                   "logdir": record.directory, "max_trace_bytes": s.max_trace_bytes,
+                   "host_tracer_level": s.host_tracer_level, "device_tracer_level": s.device_tracer_level,
+                   "python_tracer_level": s.python_tracer_level, "delay_ms": int(s.delay * 1000), **(options or {})}
+        thread = threading.Thread(target=self._run, args=(record, request, admission), daemon=True,
+                                  name=f"tfprofd-capture-{record.id}")
+        with self._lock:
+            self._threads.add(thread)
         thread.start()
         return record
 
-    def _run(self, record: CaptureRecord, request: dict[str, Any], targets: list[Target]) -> None:
-        s = self.settings()
-        directory = Path(record.directory)
-        # The profiler server in the training process writes here, maybe as another user.
-        os.chmod(directory, s["dir_mode"])
-        timeout = s["timeout"] + record.duration_ms / 1000
+    # ---- running one ----
+
+    def _run(self, record: CaptureRecord, request: dict[str, Any], admission: Admission) -> None:
         try:
-            result = self._spawn(request, timeout)
+            self._capture(record, request, admission)
+            if record.status == "done" and self.settings().analyze:
+                record.status = "analyzing"
+                self._save(record)
+                self._analyze(record)
+        except Exception as exc:  # whatever happens, the record ends and the process is free
+            log.exception("capture %s failed unexpectedly", record.id)
+            record.status, record.reason, record.detail = "failed", "error", f"{type(exc).__name__}: {exc}"
         finally:
+            self.policy.release(admission)
+            if record.status in ACTIVE:
+                record.status, record.reason = "failed", record.reason or "error"
+            record.finished_at = record.finished_at or self.clock.time()
+            record.bytes = tree_bytes(Path(record.directory))
             with self._lock:
-                self._busy.difference_update(t.address for t in targets)
+                key = (record.trigger, record.status)
+                self._finished[key] = self._finished.get(key, 0) + 1
+                self._threads.discard(threading.current_thread())
+            self._save(record)
+            self.enforce_retention()
+
+    def _capture(self, record: CaptureRecord, request: dict[str, Any], admission: Admission) -> None:
+        timeout = self.settings().timeout + record.duration_ms / 1000
+        outcome = self.capture_workers.run("tfprofd.daemon.capture_worker", [], json.dumps(request), timeout)
+        result = outcome.result or {
+            "status": "failed",
+            "reason": {"timeout": "timeout", "stopped": "agent_stopped"}.get(outcome.status, "error"),
+            "detail": {"timeout": f"no answer from the profiler server within {timeout:.0f}s; the worker was killed",
+                       "stopped": "the agent stopped during the capture"}.get(outcome.status, outcome.detail)}
+        self.policy.release(admission)  # the process is free once its trace is taken; analysis may take long
         record.started_at = result.get("rpc_sent_at")
-        record.status = result["status"]
-        record.reason = result.get("reason")
-        record.detail = result.get("detail")
-        record.files = result.get("files", [])
+        record.status, record.reason, record.detail = result["status"], result.get("reason"), result.get("detail")
+        record.files = list(result.get("files", []))
         record.finished_at = self.clock.time()
-        os.chmod(directory, 0o755)
-        record.bytes = _tree_bytes(directory)
-        analyze = record.status == "done" and s["analyze"]
         if record.status == "done":
-            log.info("capture %s done: %d file(s), %d bytes in %s", record.id, len(record.files), record.bytes,
-                     record.directory)
+            log.info("capture %s done: %d file(s) in %s", record.id, len(record.files), record.directory)
         else:
             log.warning("capture %s failed: %s: %s", record.id, record.reason, record.detail)
-        if analyze:
-            record.status = "analyzing"
-            self.update(record)
-            self._analyze(record, s["analysis_timeout"])
-        with self._lock:
-            key = (record.trigger, record.status)
-            self._finished[key] = self._finished.get(key, 0) + 1
-            self._save(record)
-        self.enforce_retention()
 
-    def _worker(self, module: str, args: list[str], stdin: str, timeout: float) -> tuple[str, dict[str, Any] | None]:
-        """Run ``python -m module`` with a hard timeout; ("ok", the JSON it printed) or (failure reason, None).
-
-        Failure reasons: ``timeout`` (killed), ``agent_stopped`` (terminated by stop()), ``error: ...``.
-        """
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        with self._lock:
-            self._workers.add(proc)
-        try:
-            out, err = proc.communicate(stdin, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            return "timeout", None
-        finally:
-            with self._lock:
-                self._workers.discard(proc)
-        if self._stopping.is_set() and proc.returncode < 0:
-            return "agent_stopped", None
-        return _parse_result(out, proc.returncode, err)
-
-    def stop(self) -> None:
-        """Terminate running workers; their records finish as failed (agent_stopped), not silently lost."""
-        self._stopping.set()
-        with self._lock:
-            workers = list(self._workers)
-        for proc in workers:
-            proc.terminate()
-
-    def _analyze(self, record: CaptureRecord, timeout: float) -> None:
+    def _analyze(self, record: CaptureRecord) -> None:
         """Analyse the trace in a worker process (xprof needs 200-450 MB the agent must not hold)."""
-        outcome, result = self._worker("tfprofd.daemon.analysis",
-                                       [record.directory, "--json", "--duration", str(record.duration_ms / 1000)],
-                                       "", timeout)
-        if result is None:
-            detail = {"timeout": f"analysis did not finish within {timeout:.0f}s",
-                      "agent_stopped": "the agent stopped during the analysis"}.get(outcome, outcome)
-            result = {"error": detail}
-        record.status = "done"
-        if "error" in result:
-            reason = "agent_stopped" if outcome == "agent_stopped" else "analysis_error"
-            record.status, record.reason, record.detail = "analysis_failed", reason, result["error"]
-            log.warning("capture %s: analysis failed: %s (raw files kept in %s)", record.id, result["error"],
-                        record.directory)
-        else:
-            record.analysis = result
-            log.info("capture %s analysed: job=%s bottleneck=%s input_bound=%s step=%s: %s", record.id, record.job,
-                     result["bottleneck"], _pct(result.get("input_bound_ratio")),
-                     _ms(result.get("step_time_ms", {}).get("mean")), result["summary"])
-        record.bytes = _tree_bytes(Path(record.directory))  # xprof's cache files count too
+        timeout = self.settings().analysis_timeout
+        outcome = self.analysis_workers.run("tfprofd.daemon.analysis", [record.directory, "--json", "--duration",
+                                                                        str(record.duration_ms / 1000)], "", timeout)
+        result = outcome.result
+        if result is None or "error" in result:
+            detail = (result or {}).get("error") or {"timeout": f"analysis did not finish within {timeout:.0f}s",
+                                                     "stopped": "the agent stopped during the analysis"}.get(
+                outcome.status, outcome.detail)
+            reason = "agent_stopped" if outcome.status == "stopped" else "analysis_error"
+            record.status, record.reason, record.detail = "analysis_failed", reason, detail
+            log.warning("capture %s: analysis failed: %s (raw files kept in %s)", record.id, detail, record.directory)
+            return
+        record.status, record.analysis = "done", result
+        log.info("capture %s analysed: job=%s %s", record.id, record.job, result.get("summary"))
 
-    def _spawn(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-        outcome, result = self._worker("tfprofd.daemon.capture_worker", [], json.dumps(request), timeout)
-        if result is not None:
-            return result
-        if outcome == "timeout":
-            return {"status": "failed", "reason": "timeout",
-                    "detail": f"no answer from the profiler server within {timeout:.0f}s; the worker was killed"}
-        if outcome == "agent_stopped":
-            return {"status": "failed", "reason": "agent_stopped", "detail": "the agent stopped during the capture"}
-        return {"status": "failed", "reason": "error", "detail": f"capture {outcome}"}
+    def _save(self, record: CaptureRecord) -> None:
+        try:
+            self.store.save(record)
+        except OSError as exc:  # the record stays right in memory; it is lost only if the agent restarts
+            log.error("capture %s: cannot save its record: %s", record.id, exc)
 
-    def wait_idle(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for thread in list(self._threads):
-            thread.join(max(0.0, deadline - time.monotonic()))
+    # ---- reading ----
+
+    def list(self) -> list[CaptureRecord]:
+        with self._lock:
+            return sorted(self._records.values(), key=lambda r: r.requested_at, reverse=True)
+
+    def get(self, capture_id: str) -> CaptureRecord | None:
+        with self._lock:
+            return self._records.get(capture_id)
 
     # ---- retention ----
 
@@ -275,68 +194,59 @@ class CaptureManager(Collector):
         """Delete the oldest finished captures beyond captures.keep or captures.max_bytes."""
         s = self.settings()
         with self._lock:
-            finished = sorted((r for r in self.records.values() if r.status in FINISHED), key=lambda r: r.requested_at)
-            total = sum(r.bytes for r in finished)
-            while finished and (len(finished) > s["keep"] or total > s["max_bytes"]):
-                oldest = finished.pop(0)
-                total -= oldest.bytes
-                shutil.rmtree(self.root / oldest.id, ignore_errors=True)
-                del self.records[oldest.id]
-                self.version += 1
-                log.info("capture %s deleted by retention (keep %d, max %d bytes)", oldest.id, s["keep"],
-                         s["max_bytes"])
+            finished = sorted((r for r in self._records.values() if r.status in FINISHED),
+                              key=lambda r: r.requested_at)
+        total = sum(r.bytes for r in finished)
+        while finished and (len(finished) > s.keep or total > s.max_bytes):
+            oldest = finished.pop(0)
+            total -= oldest.bytes
+            freed = self.store.delete(oldest)
+            with self._lock:
+                self._records.pop(oldest.id, None)
+            log.info("capture %s deleted by retention (keep %d, max %d bytes): %d bytes freed", oldest.id, s.keep,
+                     s.max_bytes, freed)
 
-    # ---- metrics ----
+    # ---- lifecycle ----
 
-    def sample(self) -> bool:
-        return True
+    def stop(self, timeout: float = 1.0) -> None:
+        """Kill running workers; their records finish as failed (agent_stopped), not silently lost."""
+        self.capture_workers.stop()
+        self.analysis_workers.stop()
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout / max(len(threads), 1))
+
+    # ---- metrics, from the records at scrape time ----
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            records = list(self.records.values())
+            records = list(self._records.values())
             counts = {(t, s): self._finished.get((t, s), 0) for t in TRIGGERS for s in FINISHED}
-        last: dict[str, float] = {}
-        for r in records:
-            last[r.job] = max(last.get(r.job, 0.0), r.requested_at)
+        known = self.jobs.jobs()
         yield counter("captures", "Captures finished since the agent started, by trigger and final status.",
                       ["trigger", "status"], (([t, s], n) for (t, s), n in sorted(counts.items())))
         yield gauge("captures_running", "Captures in progress (tracing or being analysed).", [],
-                    [((), sum(1 for r in records if r.status in ("running", "analyzing")))])
+                    [((), sum(1 for r in records if r.status in ACTIVE))])
+        last: dict[str, float] = {}
         latest: dict[str, CaptureRecord] = {}
         for r in sorted(records, key=lambda r: r.requested_at):
+            if r.job not in known:  # a job that no longer reports keeps its records, not its series
+                continue
+            last[r.job] = r.requested_at
             if r.analysis is not None:
                 latest[r.job] = r
         analysed = sorted(latest.items())
         yield gauge("capture_input_bound_ratio", "Input-bound ratio (input wait / step time) of the job's latest "
                     "analysed capture.", ["training_job"],
                     (([job], r.analysis["input_bound_ratio"]) for job, r in analysed
-                     if r.analysis.get("input_bound_ratio") is not None))
+                     if isinstance(r.analysis.get("input_bound_ratio"), (int, float))))
         yield gauge("capture_step_seconds", "Mean step time in the job's latest analysed capture, in seconds.",
                     ["training_job"], (([job], r.analysis["step_time_ms"]["mean"] / 1000) for job, r in analysed
-                                       if r.analysis.get("step_time_ms")))
+                                       if isinstance(r.analysis.get("step_time_ms"), dict)
+                                       and isinstance(r.analysis["step_time_ms"].get("mean"), (int, float))))
         yield gauge("capture_bottleneck_info", "Bottleneck named by the job's latest analysed capture; the value is "
-                    "1.", ["training_job", "kind"], (([job, r.analysis["bottleneck"]], 1) for job, r in analysed))
+                    "1.", ["training_job", "kind"], (([job, str(r.analysis.get("bottleneck"))], 1)
+                                                     for job, r in analysed))
         yield gauge("capture_last_timestamp_seconds", "Unix time of the latest capture of the training job.",
                     ["training_job"], (([job], ts) for job, ts in sorted(last.items())))
-
-
-def _parse_result(out: str, returncode: int, err: str) -> tuple[str, dict[str, Any] | None]:
-    """A worker's JSON: all of stdout, or its last line (xprof's C++ logging also writes to stdout)."""
-    for candidate in (out, out.strip().splitlines()[-1] if out.strip() else ""):
-        try:
-            return "ok", json.loads(candidate)
-        except ValueError:
-            continue
-    return f"error: worker exited {returncode}: {err.strip()[-500:]}", None
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1%}"
-
-
-def _ms(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}ms"
-
-
-def _tree_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

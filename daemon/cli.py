@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from . import __version__
@@ -15,12 +16,9 @@ from . import config as configmod
 def _add_option_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("options (each also settable as env var and in the YAML file)")
     for option in configmod.OPTIONS:
-        group.add_argument(option.flag, dest=option.key, default=None, metavar="VALUE",
-                           help=f"{option.help} Env {option.env}. Default: {_show(option.default)}.")
-
-
-def _show(value: Any) -> str:
-    return value if isinstance(value, str) else repr(value)
+        if "flag" in option.meta["sources"]:
+            group.add_argument(option.flag, dest=option.key, default=None, metavar="VALUE",
+                               help=f"{option.meta['help']} Env {option.env}. Default: {option.show_default()}.")
 
 
 def _option_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,16 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
     capture.add_argument("--job", help="training job to profile (needed when several report)")
     capture.add_argument("--gpu", help="profile the job running on this GPU index")
     capture.add_argument("--duration", help="how long to trace, e.g. 2s (default: captures.duration)")
-    capture.add_argument("--wait", action="store_true", help="wait for the capture to finish and print its record")
+    capture.add_argument("--wait", action="store_true", help="wait for the capture to finish and print what its "
+                         "analysis found")
+    capture.add_argument("--json", action="store_true", help="with --wait: print the whole record as JSON")
     capture.add_argument("--api", default=os.environ.get("TFPROFD_API", "http://127.0.0.1:9848"),
                          help="the agent's control API (env TFPROFD_API; default http://127.0.0.1:9848)")
     capture.add_argument("--token-file", default=os.environ.get("TFPROFD_API_TOKEN_FILE"),
-                         help="file with the bearer token, if the agent requires one")
+                         help="file with the agent's bearer token (env TFPROFD_API_TOKEN_FILE; default: the "
+                              "agent's api.token in /var/lib/tfprofd or your own state directory)")
     return parser
 
 
+def _exit(code: int) -> None:
+    """Leave now: nothing (a thread blocked in a library call) may hold up a stopped agent's exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from .agent import Agent
+    from .agent import Agent, StartError
+    from .api import TokenError
 
     flags = _option_flags(args)
 
@@ -78,24 +87,45 @@ def cmd_run(args: argparse.Namespace) -> int:
     agent.install_signal_handlers()
     try:
         agent.start()
-    except OSError as exc:
+    except (StartError, TokenError, OSError) as exc:
         print(f"tfprofd: cannot start: {exc}", file=sys.stderr)
         agent.stop()
-        return 1
+        _exit(1)
     agent.wait()
+    _exit(0)
     return 0
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    problems = []
     try:
-        configmod.load(args.path, env={})
+        cfg = configmod.load(args.path, env={})
     except configmod.ConfigError as exc:
-        print(f"{args.path}: {len(exc.problems)} problem(s):", file=sys.stderr)
-        for problem in exc.problems:
+        problems = [str(p) for p in exc.problems]
+    else:
+        if cfg.api.token_file:
+            from .api import Token, TokenError
+
+            try:
+                Token("", Path(cfg.api.token_file))
+            except TokenError as exc:
+                problems.append(f"{args.path}: api.token_file: {exc}")
+    if problems:
+        print(f"{args.path}: {len(problems)} problem(s):", file=sys.stderr)
+        for problem in problems:
             print(f"  {problem}", file=sys.stderr)
         return 1
     print(f"{args.path}: OK")
     return 0
+
+
+def default_token_file() -> Path | None:
+    """The token a local agent generated: the system agent's, else this user's."""
+    for state_dir in (os.environ.get("TFPROFD_STATE_DIR"), configmod.default_state_dir(0),
+                      configmod.default_state_dir()):
+        if state_dir and (Path(state_dir) / "api.token").is_file():
+            return Path(state_dir) / "api.token"
+    return None
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
@@ -103,11 +133,19 @@ def cmd_capture(args: argparse.Namespace) -> int:
     import time
     import urllib.error
     import urllib.request
-    from pathlib import Path
 
     headers = {"Content-Type": "application/json"}
-    if args.token_file:
-        headers["Authorization"] = "Bearer " + Path(args.token_file).read_text().strip()
+    token_file = Path(args.token_file) if args.token_file else default_token_file()
+    token = os.environ.get("TFPROFD_API_TOKEN", "").strip()
+    if not token and token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            print(f"tfprofd: cannot read the API token {token_file}: {exc.strerror} (are you in the agent's "
+                  "group?)", file=sys.stderr)
+            return 1
+    if token:
+        headers["Authorization"] = "Bearer " + token
 
     def call(method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
         data = json.dumps(body).encode() if body is not None else None
@@ -124,7 +162,13 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if args.gpu is not None:
         body["gpu"] = args.gpu
     if args.duration:
-        body["duration_ms"] = int(configmod.parse_duration(args.duration) * 1000)
+        from tfprofd.exporter.options import parse_duration
+
+        try:
+            body["duration_ms"] = int(parse_duration(args.duration) * 1000)
+        except ValueError as exc:
+            print(f"tfprofd: --duration: {exc}", file=sys.stderr)
+            return 2
     try:
         status, answer = call("POST", "/api/v1/captures", body)
     except OSError as exc:
@@ -133,7 +177,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if status != 202:
         print(f"tfprofd: capture refused ({status}): {answer.get('error', answer)}", file=sys.stderr)
         return 1
-    print(f"capture {answer['id']} started for job {answer['job']}")
+    print(f"capture {answer['id']} started for job {answer['job']}", flush=True)
     if not args.wait:
         return 0
     while True:
@@ -141,7 +185,14 @@ def cmd_capture(args: argparse.Namespace) -> int:
         if record.get("status") not in ("running", "analyzing"):
             break
         time.sleep(0.5)
-    print(json.dumps(record, indent=1, sort_keys=True))
+    if args.json:
+        print(json.dumps(record, indent=1, sort_keys=True))
+    elif record.get("analysis"):
+        from .analysis import report
+
+        print(report(record["analysis"]))
+    else:
+        print(f"status: {record.get('status')}: {record.get('reason')}: {record.get('detail')}")
     return 0 if record.get("status") == "done" else 1
 
 

@@ -41,8 +41,9 @@ def _free_port(kind: int = socket.SOCK_STREAM) -> int:
         return s.getsockname()[1]
 
 
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=5) as response:
+def _get(url: str, token: str = "") -> bytes:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=5) as response:
         return response.read()
 
 
@@ -79,13 +80,16 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Explicit handlers: a demo started from a non-interactive shell inherits SIGINT ignored.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     log = open(workdir / "agent.log", "ab")
     try:
         agent = subprocess.Popen(
             [sys.executable, "-m", "tfprofd.daemon", "run", "--config", str(workdir / "tfprofd.yaml"),
              "--listen", f"127.0.0.1:{port}", "--api.listen", f"127.0.0.1:{api_port}",
-             "--hook.listen", f"127.0.0.1:{hook_port}", "--state-dir", str(workdir / "state"),
+             "--hook.listen", f"127.0.0.1:{hook_port}", "--hook.socket", str(workdir / "hook.sock"),
+             "--state-dir", str(workdir / "state"),
              "--collectors.nvml.enabled", "false"],
             stdout=log, stderr=subprocess.STDOUT)
         processes.append(agent)
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
               f"Keras job pid {job.pid}", flush=True)
         print(f"the job's input pipeline slows down ~{args.slow_after:.0f}s after it starts training; "
               "watch the throughput-drop rule fire", flush=True)
-        return _watch(port, api_port, args.timeout, processes)
+        return _watch(port, api_port, workdir / "state" / "api.token", args.timeout, processes)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the agent and the job", flush=True)
         return 130
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         log.close()
 
 
-def _watch(port: int, api_port: int, timeout: float, processes: list[subprocess.Popen]) -> int:
+def _watch(port: int, api_port: int, token_file: Path, timeout: float, processes: list[subprocess.Popen]) -> int:
     from .analysis import report
 
     started = time.monotonic()
@@ -122,7 +126,8 @@ def _watch(port: int, api_port: int, timeout: float, processes: list[subprocess.
                 return 1
         try:
             text = _get(f"http://127.0.0.1:{port}/metrics").decode()
-            captures = json.loads(_get(f"http://127.0.0.1:{api_port}/api/v1/captures"))["captures"]
+            token = token_file.read_text().strip()
+            captures = json.loads(_get(f"http://127.0.0.1:{api_port}/api/v1/captures", token))["captures"]
         except OSError:
             continue
         rate = _metric(text, "tfprofd_training_samples_per_second", 'training_job="demo"')

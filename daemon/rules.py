@@ -1,20 +1,19 @@
-"""Rules: watch sampled signals, decide when training is slowed down, and trigger captures.
+"""Rules: parsed from YAML (with file and line in every error), evaluated by a pure engine.
 
-A rule compares an aggregate of a signal over a window (last, mean, min, max, a percentile, or the
-increase) with a threshold or with the signal's own trailing baseline, optionally ANDed with other
-conditions; it fires once that has held for ``for``. Rules are evaluated right after the collector
-that feeds their signal samples, and ``for`` is measured from sample timestamps, so a rule with
-``for: 30s`` fires within one sampling interval of 30 s after the drop began.
+The engine keeps each signal series' recent history on monotonic time and returns transitions
+(pending, firing, resolved); it neither logs, captures nor reads a clock. Its metrics come from its
+state at scrape time, so a new series shows at once and a series whose GPU or job is gone disappears.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import statistics
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,33 +21,23 @@ from typing import Any
 import yaml
 from prometheus_client.core import Metric
 
-from tfprofd.exporter.base import Collector, counter, gauge
+from tfprofd.exporter.base import Signals, counter, gauge
+from tfprofd.exporter.options import parse_bool, parse_duration
 
-from .config import Problem, parse_bool, parse_duration
+from .problems import Problem
 
 log = logging.getLogger("tfprofd.rules")
 
-# Signal name -> (collector that produces it, label names).
-SIGNALS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "gpu_utilization": ("nvml", ("gpu",)),
-    "gpu_memory_used_ratio": ("nvml", ("gpu",)),
-    "samples_per_second": ("training", ("training_job", "worker")),
-    "step_seconds": ("training", ("training_job", "worker")),
-    "seconds_without_first_step": ("training", ("training_job", "worker")),
-    "cpu_utilization": ("cpu", ()),
-    "cpu_iowait": ("cpu", ()),
-    "memory_used_ratio": ("memory", ()),
-    "network_receive_utilization": ("network", ("device",)),
-    "network_transmit_utilization": ("network", ("device",)),
-}
+# signal name -> (collector that produces it, label names its series carry)
+Catalog = Mapping[str, tuple[str, tuple[str, ...]]]
+Labels = tuple[tuple[str, str], ...]
+
 STATE_LABELS = ("gpu", "training_job", "worker", "device")
 _AGGREGATE = re.compile(r"^(last|mean|min|max|increase|p([1-9]|[1-9][0-9]))$")
 DEFAULT_RULES = Path(__file__).with_name("default_rules.yaml")
 # Sample timestamps jitter by a few ms; without slack a condition held for exactly `for` would wait one
 # more sampling interval.
 FOR_SLACK_SECONDS = 0.05
-
-Labels = tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True)
@@ -61,6 +50,10 @@ class Condition:
     below_baseline: float | None = None  # fire when the aggregate < ratio x baseline median
     above_baseline: float | None = None
     baseline: float = 600.0  # seconds of history before the window that form the baseline
+
+    @property
+    def uses_baseline(self) -> bool:
+        return self.below_baseline is not None or self.above_baseline is not None
 
 
 @dataclass(frozen=True)
@@ -81,20 +74,27 @@ _RULE_FIELDS = (("for", "for_seconds", parse_duration), ("cooldown", "cooldown",
                 ("while_training", "while_training", parse_bool), ("capture", "capture", parse_bool))
 _CONDITION_KEYS = {"signal", "aggregate", "window", "below", "above", "below_baseline", "above_baseline",
                    "baseline"}
+_COMPARISONS = ("below", "above", "below_baseline", "above_baseline")
+
+Items = dict[str, tuple[Any, int, yaml.Node]]
 
 
-def _node_items(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[str, tuple[Any, int]]:
-    return {str(loader.construct_object(k)): (loader.construct_object(v, deep=True), k.start_mark.line + 1)
-            for k, v in node.value}
+def _items(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Items:
+    """{key: (value, line, value node)} of a mapping node; keys that are not plain scalars become text."""
+    out: Items = {}
+    for key_node, value_node in node.value:
+        key = key_node.value if isinstance(key_node, yaml.ScalarNode) else f"<{key_node.tag}>"
+        out[str(key)] = (loader.construct_object(value_node, deep=True), key_node.start_mark.line + 1, value_node)
+    return out
 
 
-def _typed_fields(items: dict[str, tuple[Any, int]], fields: tuple[tuple[str, str, Callable[[Any], Any]], ...],
+def _typed_fields(items: Items, fields: tuple[tuple[str, str, Callable[[Any], Any]], ...],
                   where: Callable[[int], str], key: str, problems: list[Problem]) -> dict[str, Any]:
     """Parse the optional fields present in ``items`` as {attribute: value}; record each bad one."""
     out: dict[str, Any] = {}
     for yaml_key, attr, parse in fields:
         if yaml_key in items:
-            raw, line = items[yaml_key]
+            raw, line, _ = items[yaml_key]
             try:
                 out[attr] = parse(raw)
             except ValueError as exc:
@@ -102,39 +102,49 @@ def _typed_fields(items: dict[str, tuple[Any, int]], fields: tuple[tuple[str, st
     return out
 
 
-def _condition(loader: yaml.SafeLoader, items: dict[str, tuple[Any, int]], where: Callable[[int], str],
-               key: str, problems: list[Problem]) -> Condition | None:
+def _condition(items: Items, catalog: Catalog, where: Callable[[int], str], key: str, line0: int,
+               problems: list[Problem]) -> Condition | None:
     start = len(problems)
+    for unknown in sorted(set(items) - _CONDITION_KEYS - _RULE_KEYS):
+        problems.append(Problem(where(items[unknown][1]), f"{key}.{unknown}", "unknown key"))
     values: dict[str, Any] = {}
-    signal, line = items.get("signal", (None, 0))
-    if signal not in SIGNALS:
+    signal, line, _ = items.get("signal", (None, line0, None))
+    if not isinstance(signal, str) or signal not in catalog:
         problems.append(Problem(where(line), f"{key}.signal",
-                                f"expected one of {', '.join(SIGNALS)}, got {signal!r}"))
+                                f"expected one of {', '.join(catalog)}, got {_short(signal)}"))
     values["signal"] = signal
-    aggregate, line = items.get("aggregate", ("last", 0))
+    aggregate, line, _ = items.get("aggregate", ("last", line0, None))
     if not isinstance(aggregate, str) or not _AGGREGATE.match(aggregate):
         problems.append(Problem(where(line), f"{key}.aggregate",
-                                f"expected last, mean, min, max, increase or pNN, got {aggregate!r}"))
+                                f"expected last, mean, min, max, increase or pNN, got {_short(aggregate)}"))
     values["aggregate"] = aggregate
-    values.update(_typed_fields(items, (("window", "window", parse_duration), ("baseline", "baseline", parse_duration)),
-                                where, key, problems))
-    comparisons = [n for n in ("below", "above", "below_baseline", "above_baseline") if n in items]
+    values.update(_typed_fields(items, (("window", "window", parse_duration),
+                                        ("baseline", "baseline", parse_duration)), where, key, problems))
+    comparisons = [n for n in _COMPARISONS if n in items]
     if len(comparisons) != 1:
-        line = min((items[n][1] for n in comparisons), default=min((v[1] for v in items.values()), default=0))
+        line = min((items[n][1] for n in comparisons), default=line0)
         problems.append(Problem(where(line), key, "needs exactly one of below, above, below_baseline, above_baseline"))
     for name in comparisons:
-        raw, line = items[name]
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-            problems.append(Problem(where(line), f"{key}.{name}", f"expected a number, got {raw!r}"))
+        raw, line, _ = items[name]
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
+            problems.append(Problem(where(line), f"{key}.{name}", f"expected a finite number, got {_short(raw)}"))
+        elif name.endswith("_baseline") and raw < 0:
+            problems.append(Problem(where(line), f"{key}.{name}", f"expected a ratio of 0 or more, got {raw!r}"))
         else:
             values[name] = float(raw)
     if values.get("aggregate") != "last" and not values.get("window"):
-        problems.append(Problem(where(items.get("aggregate", (None, 0))[1]), f"{key}.window",
+        problems.append(Problem(where(items.get("aggregate", (None, line0))[1]), f"{key}.window",
                                 f"aggregate {values.get('aggregate')} needs a window"))
     return Condition(**values) if len(problems) == start else None
 
 
-def parse_rules(loader: yaml.SafeLoader, node: yaml.Node, path: str, problems: list[Problem]) -> list[Rule]:
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_rules(loader: yaml.SafeLoader, node: yaml.Node, path: str, catalog: Catalog,
+                problems: list[Problem]) -> list[Rule]:
     """Rules from the ``rules:`` YAML node; every problem is appended with its file and line."""
 
     def where(line: int) -> str:
@@ -145,48 +155,40 @@ def parse_rules(loader: yaml.SafeLoader, node: yaml.Node, path: str, problems: l
         return []
     rules, names = [], set()
     for index, item in enumerate(node.value):
-        key = f"rules[{index}]"
+        key, line0 = f"rules[{index}]", item.start_mark.line + 1
         if not isinstance(item, yaml.MappingNode):
-            problems.append(Problem(where(item.start_mark.line + 1), key, "expected a mapping"))
+            problems.append(Problem(where(line0), key, "expected a mapping"))
             continue
-        items = _node_items(loader, item)
+        items = _items(loader, item)
         start = len(problems)
-        for unknown in sorted(set(items) - _RULE_KEYS - _CONDITION_KEYS):
-            problems.append(Problem(where(items[unknown][1]), f"{key}.{unknown}", "unknown key"))
-        name, line = items.get("name", (None, item.start_mark.line + 1))
+        name, line, _ = items.get("name", (None, line0, None))
         if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]{0,63}", name):
-            problems.append(Problem(where(line), f"{key}.name", f"expected a snake_case name, got {name!r}"))
+            problems.append(Problem(where(line), f"{key}.name", f"expected a snake_case name, got {_short(name)}"))
         elif name in names:
             problems.append(Problem(where(line), f"{key}.name", f"duplicate rule name {name!r}"))
         names.add(name)
-        conditions = [_condition(loader, {k: v for k, v in items.items() if k in _CONDITION_KEYS}, where, key,
-                                 problems)]
-        extra, line = items.get("and", ([], 0))
-        if not isinstance(extra, list) or not all(isinstance(e, dict) for e in extra):
-            problems.append(Problem(where(line), f"{key}.and", "expected a list of conditions"))
-            extra = []
-        for j, cond in enumerate(extra):
-            unknown = set(cond) - _CONDITION_KEYS
-            if unknown:
-                problems.append(Problem(where(line), f"{key}.and[{j}]", f"unknown key(s) {', '.join(sorted(unknown))}"))
-            conditions.append(_condition(loader, {k: (v, line) for k, v in cond.items()}, where, f"{key}.and[{j}]",
-                                         problems))
+        conditions = [_condition({k: v for k, v in items.items() if k not in _RULE_KEYS},
+                                 catalog, where, key, line0, problems)]
+        if "and" in items:
+            _, line, extra = items["and"]
+            if not isinstance(extra, yaml.SequenceNode) or not all(isinstance(e, yaml.MappingNode)
+                                                                   for e in extra.value):
+                problems.append(Problem(where(line), f"{key}.and", "expected a list of conditions"))
+            else:
+                for j, cond in enumerate(extra.value):
+                    sub = _items(loader, cond)
+                    for stray in sorted(set(sub) & (_RULE_KEYS - _CONDITION_KEYS)):
+                        problems.append(Problem(where(sub[stray][1]), f"{key}.and[{j}].{stray}", "unknown key"))
+                    conditions.append(_condition({k: v for k, v in sub.items() if k not in _RULE_KEYS}, catalog,
+                                                 where, f"{key}.and[{j}]", cond.start_mark.line + 1, problems))
         options = _typed_fields(items, _RULE_FIELDS, where, key, problems)
-        description = items.get("description", ("", 0))[0]
+        description = items.get("description", ("", 0, None))[0]
+        if not isinstance(description, (str, type(None))):
+            problems.append(Problem(where(items["description"][1]), f"{key}.description", "expected text"))
         if len(problems) == start:
             rules.append(Rule(name=name, description=str(description or ""),
                               conditions=tuple(c for c in conditions if c), **options))
     return rules
-
-
-def load_rules_file(path: Path, problems: list[Problem]) -> list[Rule]:
-    loader = yaml.SafeLoader(path.read_text())
-    try:
-        root = loader.get_single_node()
-        node = next((v for k, v in root.value if k.value == "rules"), None) if root else None
-        return parse_rules(loader, node, str(path), problems) if node is not None else []
-    finally:
-        loader.dispose()
 
 
 # ---- evaluation ----
@@ -228,66 +230,83 @@ def holds(condition: Condition, history: deque[tuple[float, float]], now: float)
     return value > (condition.above_baseline or 0.0) * median, value
 
 
+PENDING, FIRING, RESOLVED = "pending", "firing", "resolved"
+
+
+@dataclass(frozen=True)
+class Transition:
+    kind: str  # PENDING, FIRING or RESOLVED
+    rule: Rule
+    labels: dict[str, str]
+    value: float | None
+    why: str = ""  # for RESOLVED: "condition cleared", "series gone", "rule removed"
+
+
 @dataclass
-class RuleState:
+class _State:
     pending_since: float | None = None
     active: bool = False
     value: float | None = None
 
 
 @dataclass
-class Engine(Collector):
-    """Keeps signal histories, evaluates rules, exports their state, and calls ``on_fire``."""
+class Engine:
+    """Keeps signal histories on monotonic time, evaluates rules, and returns what changed."""
 
     rules: list[Rule]
-    on_fire: Callable[[Rule, dict[str, str], float | None], None]
-    training_active: Callable[[dict[str, str]], bool]
-    name: str = "rules"
-    history: dict[tuple[str, Labels], deque[tuple[float, float]]] = field(default_factory=dict)
-    states: dict[tuple[str, Labels], RuleState] = field(default_factory=dict)
-    firings: dict[str, int] = field(default_factory=dict)
+    catalog: Catalog
+    _history: dict[tuple[str, Labels], deque[tuple[float, float]]] = field(default_factory=dict)
+    _states: dict[tuple[str, Labels], _State] = field(default_factory=dict)
+    _firings: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def set_rules(self, rules: list[Rule]) -> None:
+    def set_rules(self, rules: list[Rule]) -> list[Transition]:
+        """Replace the rules; firing series of rules that are gone or changed resolve."""
         with self._lock:
-            self.rules = rules
-            names = {r.name for r in rules}
-            self.states = {k: s for k, s in self.states.items() if k[0] in names}
+            old = {r.name: r for r in self.rules}
+            self.rules = list(rules)
+            kept = {r.name for r in rules if old.get(r.name) == r}
+            out = [Transition(RESOLVED, old[name], dict(labels), s.value, "rule removed or changed")
+                   for (name, labels), s in self._states.items() if name not in kept and s.active]
+            self._states = {k: s for k, s in self._states.items() if k[0] in kept}
+            return out
 
     def _keep_seconds(self) -> float:
-        return max((c.window + (c.baseline if c.below_baseline or c.above_baseline else 0) + 5
+        return max((c.window + (c.baseline if c.uses_baseline else 0) + 5
                     for r in self.rules for c in r.conditions), default=60.0)
 
-    def observe(self, source: str, timestamp: float, signals: dict[str, list[tuple[dict[str, str], float]]]) -> None:
-        """Record one sample of the signals a collector produces, then evaluate the rules that use them."""
+    def observe(self, source: str, now: float, signals: Signals,
+                training: Callable[[dict[str, str]], bool]) -> list[Transition]:
+        """Record one sample of a collector's signals (at monotonic time ``now``) and evaluate the rules
+        that use them; ``training(labels)`` says whether a job trains where a series is."""
         with self._lock:
             keep = self._keep_seconds()
             seen: set[tuple[str, Labels]] = set()
             for signal, series in signals.items():
                 for labels, value in series:
+                    if not math.isfinite(value):
+                        continue
                     key = (signal, tuple(sorted(labels.items())))
                     seen.add(key)
-                    history = self.history.setdefault(key, deque())
-                    history.append((timestamp, value))
-                    while history and history[0][0] < timestamp - keep:
+                    history = self._history.setdefault(key, deque())
+                    history.append((now, value))
+                    while history and history[0][0] < now - keep:
                         history.popleft()
-            for key in [k for k in self.history if SIGNALS[k[0]][0] == source and k not in seen]:
-                del self.history[key]  # the GPU, job or interface is gone
-            fired = self._evaluate(source, timestamp)
-        for rule, labels, value in fired:  # outside the lock: starting a capture takes time
-            self.on_fire(rule, labels, value)
+            for key in [k for k in self._history if self.catalog[k[0]][0] == source and k not in seen]:
+                del self._history[key]  # the GPU, job or interface is gone
+            return self._evaluate(source, now, training)
 
     def _series(self, condition: Condition, labels: dict[str, str]) -> list[tuple[Labels, deque]]:
         """The series of ``condition.signal`` that match the primary series' labels."""
-        wanted = SIGNALS[condition.signal][1]
+        wanted = self.catalog[condition.signal][1]
         shared = {k: v for k, v in labels.items() if k in wanted}
-        return [(key[1], h) for key, h in self.history.items()
+        return [(key[1], h) for key, h in self._history.items()
                 if key[0] == condition.signal and all(dict(key[1]).get(k) == v for k, v in shared.items())]
 
-    def _evaluate(self, source: str, now: float) -> list[tuple[Rule, dict[str, str], float | None]]:
-        fired = []
+    def _evaluate(self, source: str, now: float, training: Callable[[dict[str, str]], bool]) -> list[Transition]:
+        out: list[Transition] = []
         for rule in self.rules:
-            if not any(SIGNALS[c.signal][0] == source for c in rule.conditions):
+            if not any(self.catalog[c.signal][0] == source for c in rule.conditions):
                 continue
             primary = rule.conditions[0]
             live: set[Labels] = set()
@@ -298,49 +317,50 @@ class Engine(Collector):
                 for extra in rule.conditions[1:]:
                     ok = ok and any(holds(extra, h, now)[0] for _, h in self._series(extra, labels))
                 if ok and rule.while_training:
-                    ok = self.training_active(labels)
-                state = self.states.setdefault((rule.name, labels_key), RuleState())
+                    ok = training(labels)
+                state = self._states.setdefault((rule.name, labels_key), _State())
                 state.value = value
                 if not ok:
                     if state.active:
-                        log.info("rule %s resolved for %s (value %s)", rule.name, _show(labels), _num(value))
-                        self.version += 1
+                        out.append(Transition(RESOLVED, rule, labels, value, "condition cleared"))
                     state.pending_since, state.active = None, False
                     continue
                 if state.pending_since is None:
                     state.pending_since = now
-                    log.info("rule %s pending for %s (value %s, fires after %gs)", rule.name, _show(labels),
-                             _num(value), rule.for_seconds)
+                    out.append(Transition(PENDING, rule, labels, value))
                 if not state.active and now - state.pending_since >= rule.for_seconds - FOR_SLACK_SECONDS:
                     state.active = True
-                    self.firings[rule.name] = self.firings.get(rule.name, 0) + 1
-                    self.version += 1
-                    log.warning("rule %s firing for %s: %s (value %s)", rule.name, _show(labels),
-                                rule.description, _num(value))
-                    fired.append((rule, labels, value))
-            for key in [k for k in self.states if k[0] == rule.name and k[1] not in live]:
-                del self.states[key]
-        return fired
-
-    def sample(self) -> bool:
-        return True
+                    self._firings[rule.name] = self._firings.get(rule.name, 0) + 1
+                    out.append(Transition(FIRING, rule, labels, value))
+            for key in [k for k in self._states if k[0] == rule.name and k[1] not in live]:
+                state = self._states.pop(key)
+                if state.active:
+                    out.append(Transition(RESOLVED, rule, dict(key[1]), state.value, "series gone"))
+        return out
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            states = sorted(self.states.items())
-            firings = dict(self.firings)
+            states = sorted((k, s.active) for k, s in self._states.items())
+            firings = dict(self._firings)
             names = [r.name for r in self.rules]
         yield gauge("rule_active", "Whether the rule is firing (1) or not (0) for the GPU, job or device.",
                     ["rule", *STATE_LABELS],
-                    (([name, *(dict(labels).get(k, "") for k in STATE_LABELS)], float(s.active))
-                     for (name, labels), s in states))
+                    (([name, *(dict(labels).get(k, "") for k in STATE_LABELS)], float(active))
+                     for (name, labels), active in states))
         yield counter("rule_firings", "Total times the rule started firing.", ["rule"],
                       (([name], firings.get(name, 0)) for name in names))
 
 
-def _show(labels: dict[str, str]) -> str:
+def describe(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items())) or "host"
 
 
-def _num(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4g}"
+def log_transition(t: Transition) -> None:
+    value = "n/a" if t.value is None else f"{t.value:.4g}"
+    where = describe(t.labels)
+    if t.kind == PENDING:
+        log.info("rule %s pending for %s (value %s, fires after %gs)", t.rule.name, where, value, t.rule.for_seconds)
+    elif t.kind == FIRING:
+        log.warning("rule %s firing for %s: %s (value %s)", t.rule.name, where, t.rule.description, value)
+    else:
+        log.info("rule %s resolved for %s (%s; value %s)", t.rule.name, where, t.why, value)

@@ -1,30 +1,80 @@
-"""The sampling loop: one thread per collector, so a hung NVML call cannot stall /proc sampling."""
+"""Sampling: one thread per collector (a hung NVML call cannot stall /proc), each publishing an
+immutable snapshot per sample to its subscribers (rendering, the job registry, the rules).
+
+A subscriber that raises is logged and isolated; the thread keeps sampling. A thread that dies anyway,
+a collector whose own background thread died, and a sample that is overdue (blocked inside a library
+call) all make the runner unhealthy: /healthz answers 503, tfprofd_collector_success reads 0 and the
+collector's last values are no longer served.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from tfprofd.exporter.base import Clock, Collector
-from tfprofd.exporter.selfstats import SampleStatus
+from prometheus_client.core import Metric
+
+from tfprofd.exporter.base import Clock, Collector, Signals
+
+from .exposition import Rendering
 
 log = logging.getLogger("tfprofd.sampler")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one sample of one collector produced; never changed after it is published."""
+
+    collector: str
+    wall_time: float
+    monotonic: float
+    success: bool
+    duration: float
+    families: tuple[Metric, ...]
+    signals: Signals
+    facts: tuple[Any, ...]
+    rendering: Rendering = field(compare=False, repr=False)
+
+    def fact(self, kind: type[T]) -> T | None:
+        return next((f for f in self.facts if isinstance(f, kind)), None)
+
+
+@dataclass(frozen=True)
+class RunnerState:
+    """How a collector's sampling stands, for /healthz and the self metrics."""
+
+    success: bool
+    duration: float
+    last_sample_wall: float
+    healthy: bool
+    problem: str | None
+
+
+Subscriber = Callable[[Snapshot], None]
 
 
 class CollectorRunner:
     """Samples one collector every ``interval()`` seconds until stopped, isolating its failures."""
 
     def __init__(self, collector: Collector, interval: Callable[[], float], clock: Clock,
-                 on_sample: Callable[[str], None] | None = None):
+                 subscribers: Sequence[Subscriber] = ()):
         self.collector = collector
+        self.name = collector.name
         self.interval = interval
         self.clock = clock
-        self.on_sample = on_sample
-        self.status = SampleStatus()
+        self.subscribers = list(subscribers)
+        self.latest: Snapshot | None = None
+        self._sampling_since: float | None = None  # monotonic start of the sample in progress
+        self._died: str | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"tfprofd-{collector.name}", daemon=True)
-        self._failing_since_logged = False
+        self.first_sample = threading.Event()
+        self._thread = threading.Thread(target=self._guarded_loop, name=f"tfprofd-{self.name}", daemon=True)
+        self._failing_logged = False
+        self._subscriber_errors: dict[str, str] = {}
 
     def start(self) -> None:
         self._thread.start()
@@ -35,28 +85,75 @@ class CollectorRunner:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+    def stale_after(self) -> float:
+        """A sample in progress or a snapshot older than this means the collector is stuck."""
+        return max(3 * self.interval(), 10.0)
 
-    def sample_once(self) -> None:
+    def state(self) -> RunnerState:
+        now = self.clock.monotonic()
+        snap = self.latest
+        problem = self._died or self.collector.problem()
+        since = self._sampling_since
+        if problem is None and since is not None and now - since > self.stale_after():
+            problem = f"sample in progress for {now - since:.0f}s (blocked in a library call?)"
+        if problem is None and snap is not None and now - snap.monotonic > self.stale_after() and since is None:
+            problem = f"no sample for {now - snap.monotonic:.0f}s"
+        if problem is None and snap is None:
+            problem = "no sample yet"
+        return RunnerState(success=bool(snap and snap.success) and problem is None,
+                           duration=snap.duration if snap else 0.0, last_sample_wall=snap.wall_time if snap else 0.0,
+                           healthy=problem is None, problem=problem)
+
+    def serving(self) -> Snapshot | None:
+        """The snapshot to serve: none while the collector is stuck or dead (no stale values)."""
+        return self.latest if self.state().healthy else None
+
+    def sample_once(self) -> Snapshot:
         started, started_wall = self.clock.monotonic(), self.clock.time()
+        self._sampling_since = started
+        collector = self.collector
+        error = None
         try:
-            ok = self.collector.sample()
-            error = None  # a collector that returns False has logged its own reason
+            ok = bool(collector.sample())
+            families, signals, facts = tuple(collector.collect()), collector.rule_signals(), collector.facts()
         except Exception as exc:  # a collector's failure must never stop the loop
             ok, error = False, f"{type(exc).__name__}: {exc}"
-            self.collector.clear()
-        self.collector.version += 1
-        self.status = SampleStatus(success=bool(ok), duration=self.clock.monotonic() - started,
-                                   timestamp=started_wall)
-        if error and not self._failing_since_logged:
-            log.warning("collector %s failed: %s", self.collector.name, error)
-            self._failing_since_logged = True
-        elif ok and self._failing_since_logged:
-            log.info("collector %s recovered", self.collector.name)
-            self._failing_since_logged = False
-        if self.on_sample:
-            self.on_sample(self.collector.name)
+            collector.clear()
+            families, signals, facts = (), {}, ()
+        finally:
+            self._sampling_since = None
+        snapshot = Snapshot(self.name, started_wall, started, ok, self.clock.monotonic() - started, families,
+                            signals, facts, Rendering(families))
+        if error and not self._failing_logged:
+            log.warning("collector %s failed: %s", self.name, error)
+            self._failing_logged = True
+        elif ok and self._failing_logged:
+            log.info("collector %s recovered", self.name)
+            self._failing_logged = False
+        self.latest = snapshot
+        self._publish(snapshot)
+        self.first_sample.set()
+        return snapshot
+
+    def _publish(self, snapshot: Snapshot) -> None:
+        for subscriber in self.subscribers:
+            name = getattr(subscriber, "__qualname__", repr(subscriber))
+            try:
+                subscriber(snapshot)
+            except Exception as exc:  # one subscriber's failure must not stop sampling or the others
+                message = f"{type(exc).__name__}: {exc}"
+                if self._subscriber_errors.get(name) != message:
+                    log.exception("collector %s: %s failed on a snapshot (sampling goes on)", self.name, name)
+                    self._subscriber_errors[name] = message
+            else:
+                self._subscriber_errors.pop(name, None)
+
+    def _guarded_loop(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a dead sampling thread must turn health red
+            self._died = f"sampling thread died: {type(exc).__name__}: {exc}"
+            log.exception("collector %s: sampling thread died; its metrics are no longer served", self.name)
 
     def _loop(self) -> None:
         next_due = self.clock.monotonic()
@@ -68,3 +165,7 @@ class CollectorRunner:
                 next_due = self.clock.monotonic()
                 delay = 0
             self._stop.wait(delay)
+
+
+def states(runners: Mapping[str, CollectorRunner]) -> dict[str, RunnerState]:
+    return {name: runner.state() for name, runner in list(runners.items())}

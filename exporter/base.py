@@ -1,20 +1,27 @@
 """What every collector shares: the sample/collect split, the OS and clock seams, metric helpers.
 
-A collector reads the system in ``sample()`` (called by the daemon's background loop, never by a scrape)
-and keeps the result; ``collect()`` turns the latest sample into fresh metric families. A scrape
-therefore never waits on NVML or /proc.
+A collector reads the system in ``sample()`` (called by the agent's sampling thread, never by a scrape)
+and keeps the result. From that latest sample, ``collect()`` yields fresh metric families,
+``rule_signals()`` the series the rules may watch (named in the class's ``signals``), and ``facts()``
+typed facts other parts of the agent consume (which processes run on which GPU, which jobs train).
+The agent publishes the three together as one immutable snapshot per sample.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any, ClassVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "tfprofd_"
+
+# signal name -> series: (labels, value)
+Signals = Mapping[str, Sequence[tuple[dict[str, str], float]]]
 
 
 class Clock:
@@ -45,16 +52,35 @@ class HostPaths:
 def _read(path: Path) -> str | None:
     try:
         return path.read_text()
-    except (FileNotFoundError, NotADirectoryError, PermissionError, OSError):
+    except (OSError, UnicodeDecodeError):
         return None
 
 
-class Collector:
-    """Base of every collector: subclasses implement ``sample()`` and ``collect()``."""
+@dataclass(frozen=True)
+class Environment:
+    """What the agent gives every collector: where /proc and /sys are, a clock, and (tests) an NVML module."""
 
-    name: str = ""
-    version: int = 0  # bumped whenever the data behind collect() changes; keys the rendered-text cache
-    latest: object = None  # the last sample, for collectors that keep one
+    paths: HostPaths = field(default_factory=HostPaths)
+    clock: Clock = field(default_factory=Clock)
+    nvml: ModuleType | None = None
+
+
+class Collector:
+    """Base of every collector: subclasses set ``name``, ``section`` and ``Settings`` and implement
+    ``sample()`` and ``collect()``."""
+
+    name: ClassVar[str]
+    section: ClassVar[str]  # the config section of its Settings, e.g. "collectors.cpu"
+    Settings: ClassVar[type]  # a frozen dataclass of exporter.options.option() fields, `enabled` first
+    signals: ClassVar[Mapping[str, tuple[str, ...]]] = {}  # rule signal -> label names of its series
+
+    def __init__(self, settings: Any, env: Environment):
+        self.settings = settings
+        self.env = env
+
+    def configure(self, settings: Any) -> None:
+        """Apply a reloaded configuration (options marked restart keep their running value)."""
+        self.settings = settings
 
     def sample(self) -> bool:
         """Read the system and keep the result. Return False on a partial failure; raise on a full one."""
@@ -63,12 +89,23 @@ class Collector:
     def collect(self) -> Iterator[Metric]:
         raise NotImplementedError
 
+    def rule_signals(self) -> Signals:
+        """The latest sample's series of the signals named in ``signals``."""
+        return {}
+
+    def facts(self) -> tuple[Any, ...]:
+        """Typed facts of the latest sample for other parts of the agent (see the snapshot's ``fact``)."""
+        return ()
+
+    def problem(self) -> str | None:
+        """Why a background thread of the collector stopped working, if one did."""
+        return None
+
     def clear(self) -> None:
         """Forget the last sample (called after a failed one, so stale values are not served)."""
-        self.latest = None
 
     def close(self) -> None:
-        """Release what ``sample()`` opened (threads, handles)."""
+        """Release what the collector opened (threads, sockets, handles)."""
 
 
 def gauge(name: str, documentation: str, labels: Sequence[str],
@@ -96,8 +133,8 @@ def parse_pressure(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         kind, _, rest = line.partition(" ")
-        for field in rest.split():
-            name, _, value = field.partition("=")
+        for item in rest.split():
+            name, _, value = item.partition("=")
             if name == "total" and kind in ("some", "full"):
                 out[kind] = int(value) / 1e6
     return out

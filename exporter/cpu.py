@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import psutil
 from prometheus_client.core import Metric
 
-from .base import Collector, HostPaths, counter, emit_pressure, gauge, pressure_families
+from .base import Collector, Signals, counter, emit_pressure, gauge, pressure_families
+from .options import option, parse_bool
 
 MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
@@ -46,12 +48,17 @@ class CpuSample:
     pressure: list[tuple[str, float]]
 
 
+@dataclass(frozen=True)
+class CpuSettings:
+    enabled: bool = option(True, parse_bool, "Export CPU time, utilization, load and pressure.")
+
+
 class CpuCollector(Collector):
     name = "cpu"
-
-    def __init__(self, paths: HostPaths):
-        self.paths = paths
-        self.latest: CpuSample | None = None
+    section = "collectors.cpu"
+    Settings = CpuSettings
+    signals: ClassVar[dict[str, tuple[str, ...]]] = {"cpu_utilization": (), "cpu_iowait": ()}
+    latest: CpuSample | None = None
 
     def sample(self) -> bool:
         per_cpu = psutil.cpu_times(percpu=True)
@@ -59,16 +66,25 @@ class CpuCollector(Collector):
         ratios = busy_ratios(self.latest.seconds, seconds) if self.latest else None
         if ratios is None and self.latest is not None:
             ratios = (self.latest.utilization, self.latest.iowait)
-        loadavg = self.paths.read_proc("loadavg")
+        loadavg = self.env.paths.read_proc("loadavg")
         self.latest = CpuSample(
             seconds=seconds,
             count=len(per_cpu),
             utilization=ratios[0] if ratios else None,
             iowait=ratios[1] if ratios else None,
             load=parse_loadavg(loadavg) if loadavg else None,
-            pressure=pressure_families(self.paths, "cpu"),
+            pressure=pressure_families(self.env.paths, "cpu"),
         )
         return True
+
+    def clear(self) -> None:
+        self.latest = None
+
+    def rule_signals(self) -> Signals:
+        s = self.latest
+        if s is None or s.utilization is None:
+            return {}
+        return {"cpu_utilization": [({}, s.utilization)], "cpu_iowait": [({}, s.iowait)]}
 
     def collect(self) -> Iterator[Metric]:
         s = self.latest

@@ -9,7 +9,10 @@ from dataclasses import dataclass
 import psutil
 from prometheus_client.core import Metric
 
-from .base import Collector, HostPaths, counter, emit_pressure, pressure_families
+from .base import Collector, counter, emit_pressure, pressure_families
+from .options import option, parse_bool, parse_regex
+
+DEFAULT_EXCLUDE = r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]|nvme\d+n\d+p)\d+$"
 
 
 @dataclass
@@ -18,22 +21,31 @@ class DiskSample:
     pressure: list[tuple[str, float]]
 
 
+@dataclass(frozen=True)
+class DiskSettings:
+    enabled: bool = option(True, parse_bool, "Export per-disk I/O and I/O pressure.")
+    device_exclude: re.Pattern[str] = option(re.compile(DEFAULT_EXCLUDE), parse_regex,
+                                             "Disks to skip (partitions and loop devices by default, as "
+                                             "node_exporter).")
+
+
 class DiskCollector(Collector):
     name = "disk"
+    section = "collectors.disk"
+    Settings = DiskSettings
+    latest: DiskSample | None = None
 
-    def __init__(self, paths: HostPaths, device_exclude: re.Pattern[str]):
-        self.paths = paths
-        self.device_exclude = device_exclude
-        self.latest: DiskSample | None = None
+    def clear(self) -> None:
+        self.latest = None
 
     def sample(self) -> bool:
         counters = psutil.disk_io_counters(perdisk=True, nowrap=True) or {}
         devices = {
             name: (c.read_bytes, c.write_bytes, c.read_count, c.write_count, c.busy_time / 1000.0)
             for name, c in sorted(counters.items())
-            if not self.device_exclude.match(name)
+            if not self.settings.device_exclude.match(name)
         }
-        self.latest = DiskSample(devices, pressure_families(self.paths, "io"))
+        self.latest = DiskSample(devices, pressure_families(self.env.paths, "io"))
         return True
 
     def collect(self) -> Iterator[Metric]:

@@ -5,19 +5,20 @@ Keras::
     from tfprofd.exporter.hook import TfprofdCallback
     model.fit(ds, epochs=3, callbacks=[TfprofdCallback(job="resnet")])
 
-Custom training loop::
+Custom training loop (the outer ``with`` tells the agent when training ends)::
 
     from tfprofd.exporter.hook import Reporter
-    reporter = Reporter.shared(job="resnet")
-    for x, y in dataset:
-        with reporter.step(batch_size=len(x)):
-            train_step(x, y)
+    with Reporter.shared(job="resnet") as reporter:
+        for x, y in dataset:
+            with reporter.step(batch_size=len(x)):
+                train_step(x, y)
 
 This module imports only the standard library; TensorFlow is touched only when the user already has it
 (the callback class is built on first use, the step markers only once ``tensorflow`` is imported).
 Per-step work is a few counter updates; reading TensorFlow variables and sending the report happen on
-a background thread. Reports are UDP datagrams carrying cumulative counters, so a lost one loses only
-resolution, and an agent that is down, slow or restarting never blocks training.
+a background thread. Reports are datagrams (to the agent's Unix socket on a host, UDP from a pod)
+carrying cumulative counters, so a lost one loses only resolution, and an agent that is down, slow or
+restarting never blocks training.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 SCHEMA_VERSION = 1
-DEFAULT_ADDR = "127.0.0.1:9847"
+DEFAULT_UDP_ADDR = "127.0.0.1:9847"
 # Upper bounds (seconds) of the step-duration histogram; the agent checks reports against these.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PHASES = ("train", "evaluate", "predict", "idle")
@@ -57,6 +58,29 @@ def _process_start_time() -> float:
         return time.time()
 
 
+def default_socket_path(euid: int | None = None, runtime_dir: str | None = None) -> str:
+    """Where an agent of this user listens for reports: /run/tfprofd for root (and the systemd unit),
+    else the user's runtime directory."""
+    euid = os.geteuid() if euid is None else euid
+    if euid == 0:
+        return "/run/tfprofd/hook.sock"
+    runtime_dir = runtime_dir if runtime_dir is not None else os.environ.get("XDG_RUNTIME_DIR", "")
+    base = runtime_dir or f"/tmp/tfprofd-{euid}"
+    return f"{base}/tfprofd/hook.sock"
+
+
+def report_target(addr: str | None = None) -> str:
+    """Where reports go: ``addr``, else TFPROFD_ADDR, else the first agent socket this process may write to
+    (the system agent's, then this user's), else UDP to 127.0.0.1:9847."""
+    chosen = addr or os.environ.get("TFPROFD_ADDR")
+    if chosen:
+        return chosen
+    for path in ("/run/tfprofd/hook.sock", default_socket_path()):
+        if os.path.exists(path) and os.access(path, os.W_OK):
+            return "unix:" + path
+    return DEFAULT_UDP_ADDR
+
+
 def _worker_from_tf_config() -> str | None:
     try:
         task = json.loads(os.environ.get("TF_CONFIG", "")).get("task", {})
@@ -70,9 +94,17 @@ def _default_job() -> str:
     return os.path.splitext(script)[0] or "python"
 
 
-def _parse_addr(text: str) -> tuple[str, int]:
+def _open_target(text: str) -> tuple[socket.socket, str | tuple[str, int]]:
+    """A non-blocking datagram socket and the address to send to, for ``unix:/path`` or ``host:port``."""
+    if text.startswith("unix:"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        return sock, text[len("unix:"):]
     host, _, port = text.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    host = host.strip("[]") or "127.0.0.1"
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    return sock, (host, int(port))
 
 
 def start_profiler_server(port: int | None = None) -> str | None:
@@ -104,7 +136,9 @@ class Reporter:
     """Counts training steps and samples and reports them to the agent from a background thread.
 
     Use ``Reporter.shared(job, worker)`` to get the process's one reporter for a job: two reporters of
-    one job in one process would send conflicting reports.
+    one job in one process would send conflicting reports. ``with reporter:`` around a custom loop (or
+    ``close()``) tells the agent the job stopped training; a loop that just stops is taken as idle once
+    no step has run for ``idle_after`` seconds (at least 10 times its longest step).
     """
 
     @classmethod
@@ -122,12 +156,13 @@ class Reporter:
 
     def __init__(self, job: str | None = None, worker: str | None = None, batch_size: int | None = None,
                  addr: str | None = None, interval: float = 1.0, profiler: bool | None = None,
-                 profiler_port: int | None = None, step_markers: bool = True):
+                 profiler_port: int | None = None, step_markers: bool = True, idle_after: float = 30.0):
         self.job = job or os.environ.get("TFPROFD_JOB") or _default_job()
         self.worker = worker or _worker_from_tf_config() or "0"
         self.batch_size = batch_size
-        self.addr = _parse_addr(addr or os.environ.get("TFPROFD_ADDR") or DEFAULT_ADDR)
+        self.target = report_target(addr)
         self.interval = interval
+        self.idle_after = idle_after
         if profiler is None:
             profiler = os.environ.get("TFPROFD_PROFILER", "1").lower() not in ("0", "false", "no", "off")
         self.profiler = profiler
@@ -146,14 +181,15 @@ class Reporter:
         # Optional exact counters read on the background thread (set by the Keras callback).
         self.exact_counts: Callable[[], tuple[int, int]] | None = None
         self._seq = 0
-        self._sock = socket.socket(socket.AF_INET6 if ":" in self.addr[0] else socket.AF_INET, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
+        self._sock, self._dest = _open_target(self.target)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._send_lock = threading.Lock()
         self._trace: Any = None
         self._step_started = 0.0
-        self._pending_batch: int | None = None
+        self._in_step = False
+        self._last_step_end = 0.0
+        self._longest_step = 0.0
         self._step_num = 0
         self.profiler_address: str | None = None
 
@@ -165,14 +201,17 @@ class Reporter:
                 self.profiler_address = start_profiler_server(self.profiler_port)
             except Exception as exc:  # a profiler that cannot start must not stop training
                 print(f"tfprofd hook: profiler server not started: {exc}", file=sys.stderr)
-        if self._thread is None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            if self._thread is None:
+                atexit.register(self.close)
             self._thread = threading.Thread(target=self._run, name="tfprofd-hook", daemon=True)
             self._thread.start()
-            atexit.register(self.close)
         return self
 
     def close(self) -> None:
-        """Send a final report and stop the background thread."""
+        """The job stopped training: send a final report (phase idle) and stop the background thread."""
+        self.phase = "idle"
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
@@ -180,7 +219,21 @@ class Reporter:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            self._idle_check()
             self.flush()
+
+    def _idle_check(self) -> None:
+        """A custom loop that stopped stepping without close() is idle, not training at 0 samples/s."""
+        if self.phase == "train" and not self._in_step and self._last_step_end and self.exact_counts is None:
+            quiet = time.perf_counter() - self._last_step_end
+            if quiet > max(self.idle_after, 10 * self._longest_step):
+                self.phase = "idle"
+
+    def __enter__(self) -> Reporter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- counting ----
 
@@ -198,6 +251,7 @@ class Reporter:
 
     def begin_step(self) -> None:
         """Mark the start of a step (with a profiler step marker when TensorFlow is loaded)."""
+        self._in_step = True
         self._step_num += 1
         if self.step_markers and "tensorflow" in sys.modules:
             self._trace = _trace_class()("train", step_num=self._step_num, _r=1)
@@ -205,29 +259,21 @@ class Reporter:
         self._step_started = time.perf_counter()
 
     def end_step(self, steps: int = 1, samples: int | None = None) -> None:
-        elapsed = time.perf_counter() - self._step_started
+        now = time.perf_counter()
+        elapsed = now - self._step_started
         if self._trace is not None:
             self._trace.__exit__(None, None, None)
             self._trace = None
         if samples is None:
             samples = steps * (self.batch_size or 0)
         self.record(steps, samples, elapsed)
+        self._in_step = False
+        self._last_step_end = now
+        self._longest_step = max(self._longest_step, elapsed / max(steps, 1))
 
-    def step(self, batch_size: int | None = None) -> Reporter:
+    def step(self, batch_size: int | None = None) -> _Step:
         """Context manager around one training step of a custom loop: ``with reporter.step(batch_size=n):``."""
-        self._pending_batch = batch_size
-        self.phase = "train"
-        return self
-
-    def __enter__(self) -> Reporter:
-        if self._thread is None:
-            self.start()
-        self.begin_step()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        batch = self._pending_batch if self._pending_batch is not None else self.batch_size
-        self.end_step(1, int(batch or 0))
+        return _Step(self, batch_size)
 
     # ---- reporting ----
 
@@ -254,12 +300,35 @@ class Reporter:
     def flush(self) -> bool:
         """Send one report now; never raises and never blocks on the agent."""
         with self._send_lock:
-            payload = json.dumps(self.report(), separators=(",", ":")).encode()
             try:
-                self._sock.sendto(payload, self.addr)
-            except OSError:
+                payload = json.dumps(self.report(), separators=(",", ":")).encode()
+                self._sock.sendto(payload, self._dest)
+            except (OSError, ValueError):
                 return False
             return True
+
+
+class _Step:
+    """One step of a custom training loop (``Reporter.step``)."""
+
+    __slots__ = ("_batch_size", "_reporter")
+
+    def __init__(self, reporter: Reporter, batch_size: int | None):
+        self._reporter = reporter
+        self._batch_size = batch_size
+
+    def __enter__(self) -> Reporter:
+        reporter = self._reporter
+        reporter.phase = "train"
+        if reporter._thread is None or not reporter._thread.is_alive():
+            reporter.start()
+        reporter.begin_step()
+        return reporter
+
+    def __exit__(self, *exc: object) -> None:
+        reporter = self._reporter
+        batch = self._batch_size if self._batch_size is not None else reporter.batch_size
+        reporter.end_step(1, int(batch or 0))
 
 
 def _trace_class() -> Any:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import psutil
 from prometheus_client.core import Metric
 
-from .base import Collector, HostPaths, emit_pressure, gauge, pressure_families
+from .base import Collector, Signals, emit_pressure, gauge, pressure_families
+from .options import option, parse_bool
 
 
 @dataclass
@@ -20,22 +22,32 @@ class MemorySample:
     pressure: list[tuple[str, float]]
 
 
+@dataclass(frozen=True)
+class MemorySettings:
+    enabled: bool = option(True, parse_bool, "Export host memory and memory pressure.")
+
+
 class MemoryCollector(Collector):
     name = "memory"
-
-    def __init__(self, paths: HostPaths):
-        self.paths = paths
-        self.latest: MemorySample | None = None
+    section = "collectors.memory"
+    Settings = MemorySettings
+    signals: ClassVar[dict[str, tuple[str, ...]]] = {"memory_used_ratio": ()}
+    latest: MemorySample | None = None
 
     def sample(self) -> bool:
         vm = psutil.virtual_memory()
         self.latest = MemorySample(vm.total, vm.available, vm.used, vm.free,
-                                   pressure_families(self.paths, "memory"))
+                                   pressure_families(self.env.paths, "memory"))
         return True
 
-    def used_ratio(self) -> float | None:
+    def clear(self) -> None:
+        self.latest = None
+
+    def rule_signals(self) -> Signals:
         s = self.latest
-        return (s.total - s.available) / s.total if s and s.total else None
+        if s is None or not s.total:
+            return {}
+        return {"memory_used_ratio": [({}, (s.total - s.available) / s.total)]}
 
     def collect(self) -> Iterator[Metric]:
         s = self.latest

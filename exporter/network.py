@@ -5,11 +5,15 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import psutil
 from prometheus_client.core import Metric
 
-from .base import Clock, Collector, HostPaths, counter, gauge
+from .base import Collector, Signals, counter, gauge
+from .options import option, parse_bool, parse_regex
+
+DEFAULT_EXCLUDE = r"^(lo|veth.*|cali.*|flannel.*|cni.*|docker\d+|br-.*|virbr.*)$"
 
 _COLUMNS = (
     ("bytes_recv", "network_receive_bytes", "Total bytes received on the interface."),
@@ -57,27 +61,45 @@ def link_utilization(previous: NetworkSample, counters: dict[str, dict[str, int]
     return out
 
 
+@dataclass(frozen=True)
+class NetworkSettings:
+    enabled: bool = option(True, parse_bool, "Export per-interface network traffic.")
+    device_exclude: re.Pattern[str] = option(re.compile(DEFAULT_EXCLUDE), parse_regex,
+                                             "Interfaces to skip (loopback and container veths by default).")
+
+
 class NetworkCollector(Collector):
     name = "network"
+    section = "collectors.network"
+    Settings = NetworkSettings
+    signals: ClassVar[dict[str, tuple[str, ...]]] = {
+        "network_receive_utilization": ("device",),
+        "network_transmit_utilization": ("device",),
+    }
+    latest: NetworkSample | None = None
 
-    def __init__(self, paths: HostPaths, device_exclude: re.Pattern[str], clock: Clock | None = None):
-        self.paths = paths
-        self.device_exclude = device_exclude
-        self.clock = clock or Clock()
-        self.latest: NetworkSample | None = None
+    def clear(self) -> None:
+        self.latest = None
+
+    def rule_signals(self) -> Signals:
+        s = self.latest
+        if s is None:
+            return {}
+        return {"network_receive_utilization": [({"device": d}, u[0]) for d, u in s.utilization.items()],
+                "network_transmit_utilization": [({"device": d}, u[1]) for d, u in s.utilization.items()]}
 
     def sample(self) -> bool:
         counters = {
             name: c._asdict() for name, c in sorted(psutil.net_io_counters(pernic=True, nowrap=True).items())
-            if not self.device_exclude.match(name)
+            if not self.settings.device_exclude.match(name)
         }
         speed = {}
         for name in counters:
-            text = self.paths.read_sys(f"class/net/{name}/speed")
+            text = self.env.paths.read_sys(f"class/net/{name}/speed")
             value = parse_speed(text) if text else None
             if value:
                 speed[name] = value
-        now = self.clock.monotonic()
+        now = self.env.clock.monotonic()
         utilization = link_utilization(self.latest, counters, speed, now) if self.latest else {}
         self.latest = NetworkSample(counters, speed, now, utilization)
         return True

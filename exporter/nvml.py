@@ -13,10 +13,12 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import ClassVar
 
 from prometheus_client.core import Metric
 
-from .base import Clock, Collector, counter, gauge
+from .base import Collector, Environment, Signals, counter, gauge
+from .options import option, parse_bool, parse_duration
 
 log = logging.getLogger("tfprofd.nvml")
 
@@ -65,19 +67,36 @@ class GpuSample:
     processes: list[tuple[int, int]] = field(default_factory=list)  # (pid, used GPU memory bytes)
 
 
+@dataclass(frozen=True)
+class GpuProcesses:
+    """The processes NVML lists on each GPU: (gpu label, uuid, pids) per GPU it could read."""
+
+    gpus: tuple[tuple[str, str, frozenset[int]], ...]
+
+
+@dataclass(frozen=True)
+class NvmlSettings:
+    enabled: bool = option(True, parse_bool, "Export GPU metrics through NVML.")
+    pcie_interval: float = option(10.0, parse_duration, "How often to sample PCIe throughput (each read costs "
+                                  "~20 ms per GPU and direction).", minimum=1, maximum=3600)
+    retry_interval: float = option(60.0, parse_duration, "How often to retry NVML initialization when no "
+                                   "driver was found.", minimum=1, maximum=86400)
+
+
 def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 class NvmlCollector(Collector):
     name = "nvml"
+    section = "collectors.nvml"
+    Settings = NvmlSettings
+    signals: ClassVar[dict[str, tuple[str, ...]]] = {"gpu_utilization": ("gpu",), "gpu_memory_used_ratio": ("gpu",)}
 
-    def __init__(self, pcie_interval: float = 10.0, retry_interval: float = 60.0,
-                 clock: Clock | None = None, nvml: ModuleType | None = None):
-        self.pcie_interval = pcie_interval
-        self.retry_interval = retry_interval
-        self.clock = clock or Clock()
-        self._nvml = nvml
+    def __init__(self, settings: NvmlSettings, env: Environment):
+        super().__init__(settings, env)
+        self.clock = env.clock
+        self._nvml: ModuleType | None = env.nvml
         self._initialized = False
         self._next_init_attempt = 0.0
         self._unavailable_reason: str | None = None
@@ -105,7 +124,7 @@ class NvmlCollector(Collector):
         now = self.clock.monotonic()
         if now < self._next_init_attempt:
             return False
-        self._next_init_attempt = now + self.retry_interval
+        self._next_init_attempt = now + self.settings.retry_interval
         try:
             self.nvml.nvmlInit()
             self.driver_version = _text(self.nvml.nvmlSystemGetDriverVersion())
@@ -113,7 +132,8 @@ class NvmlCollector(Collector):
             reason = f"{exc}"
             if reason != self._unavailable_reason:
                 log.warning("no GPU metrics: NVML unavailable (%s); is the NVIDIA driver installed? "
-                            "Retrying every %gs; every other collector keeps working", reason, self.retry_interval)
+                            "Retrying every %gs; every other collector keeps working", reason,
+                            self.settings.retry_interval)
                 self._unavailable_reason = reason
             return False
         self._initialized = True
@@ -194,7 +214,7 @@ class NvmlCollector(Collector):
         """PCIe throughput in bytes/s, re-read only every pcie_interval: each read blocks ~20 ms."""
         now = self.clock.monotonic()
         last = self._pcie_last.get(uuid)
-        if last and now - last[0] < self.pcie_interval:
+        if last and now - last[0] < self.settings.pcie_interval:
             return last[1], last[2]
         nvml = self.nvml
         tx = self._optional(lambda: nvml.nvmlDeviceGetPcieThroughput(handle, NVML_PCIE_UTIL_TX_BYTES) * 1024.0)
@@ -204,6 +224,19 @@ class NvmlCollector(Collector):
 
     def clear(self) -> None:
         self.gpus = []
+
+    def rule_signals(self) -> Signals:
+        return {"gpu_utilization": [({"gpu": str(g.index)}, g.utilization) for g in self.gpus
+                                    if g.utilization is not None],
+                "gpu_memory_used_ratio": [({"gpu": str(g.index)}, g.memory_used / g.memory_total) for g in self.gpus
+                                          if g.memory_used is not None and g.memory_total]}
+
+    def facts(self) -> tuple[GpuProcesses, ...]:
+        return (GpuProcesses(tuple((str(g.index), g.uuid, frozenset(pid for pid, _ in g.processes))
+                                   for g in self.gpus)),)
+
+    def problem(self) -> str | None:
+        return self._xid.problem
 
     def close(self) -> None:
         self._xid.stop()
@@ -281,11 +314,12 @@ class XidWatcher:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.problem: str | None = None  # set if the thread died
 
     def start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="tfprofd-xid", daemon=True)
+            self._thread = threading.Thread(target=self._guarded, name="tfprofd-xid", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
@@ -309,6 +343,13 @@ class XidWatcher:
             except nvml.NVMLError as exc:
                 log.debug("GPU %d: no XID events: %s", index, exc)
         return event_set, devices
+
+    def _guarded(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # a dead watcher must turn health red, whatever killed it
+            self.problem = f"XID event thread died: {type(exc).__name__}: {exc}"
+            log.exception("XID event thread died; XID errors are no longer counted")
 
     def _run(self) -> None:
         nvml = self.collector.nvml

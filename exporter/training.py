@@ -1,34 +1,56 @@
-"""Training collector: receives the hook's reports over UDP, validates them, and exports throughput per job.
+"""Training collector: receives the hook's reports, validates them, and exports throughput per job.
 
-Series are labelled ``training_job`` and ``worker`` (``job`` belongs to Prometheus' scrape target). A
-job that stops reporting is marked down after ``down_after`` and forgotten after ``expire_after``.
-Counters survive a restart of the training process (its counters start over at 0: the agent adds
-them to what it had) and a restart of the agent (the hook's counters are cumulative).
+Reports arrive on a Unix datagram socket (a host's training processes; the kernel tells the sender's
+pid, which the report must carry) and, where configured, over UDP (pods sending to the node IP; the
+profiler address must then be the sender's own). Nothing a sender writes can make the agent profile
+another process than the sender.
+
+Series are labelled ``training_job`` and ``worker`` (``job`` belongs to Prometheus' scrape target). The
+agent keeps state per reporting process and sums the processes of a (job, worker): two users' jobs of
+the same name add up instead of clobbering each other, and a restarted process continues the job's
+counters. A process that stops reporting stops counting as training at once (its pid is gone) or
+after ``stale_after``; the job reads down after ``down_after`` and is forgotten after ``expire_after``.
 """
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import itertools
 import json
 import logging
+import os
 import re
+import selectors
 import socket
+import stat
+import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 from prometheus_client.core import HistogramMetricFamily, Metric
 
-from .base import PREFIX, Clock, Collector, counter, gauge
-from .hook import PHASES, SCHEMA_VERSION, STEP_BUCKETS
+from .base import PREFIX, Collector, Environment, Signals, counter, gauge
+from .hook import PHASES, SCHEMA_VERSION, STEP_BUCKETS, default_socket_path
+from .options import option, parse_bool, parse_duration, parse_host, parse_int, parse_optional_address, parse_str
 
 log = logging.getLogger("tfprofd.training")
 
-REJECT_REASONS = ("too_large", "malformed_json", "not_an_object", "unknown_version", "invalid_field", "stale",
-                  "counter_decreased")
+REJECT_REASONS = ("too_large", "too_deep", "malformed_json", "not_an_object", "unknown_version", "invalid_field",
+                  "stale", "counter_decreased", "pid_mismatch", "untrusted_profiler", "too_many_jobs",
+                  "internal_error")
 _NAME = re.compile(r"^[A-Za-z0-9_.:/@+-]{1,128}$")
 _MAX_COUNT = 2**53
+MAX_BRACKETS = 16  # the schema nests 3 deep; more brackets than this is not a report
+MAX_PROCESSES_PER_JOB = 64
+RATE_STALE_SECONDS = 5.0  # a process silent this long no longer counts as training or has a rate
+FOLDED_KEPT = 64  # processes per job whose counters were folded in, remembered to undo a fold
+NEW_JOB_LOGS_PER_MINUTE = 20
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class Rejected(ValueError):
@@ -57,12 +79,26 @@ class Report:
     profiler: str | None
 
 
+@dataclass(frozen=True)
+class Sender:
+    """Who sent a datagram: a local process the kernel vouches for, or a UDP peer address."""
+
+    local: bool
+    pid: int | None = None
+    uid: int | None = None
+    address: str | None = None  # UDP source address
+
+    @property
+    def origin(self) -> str:
+        return "local" if self.local else f"udp:{self.address}"
+
+
 def _int(data: dict[str, Any], key: str, optional: bool = False) -> int | None:
     value = data.get(key)
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_COUNT:
-        raise Rejected("invalid_field", f"{key} must be an integer in 0..2^53, got {value!r}")
+        raise Rejected("invalid_field", f"{key} must be an integer in 0..2^53, got {_show(value)}")
     return value
 
 
@@ -71,14 +107,35 @@ def _float(data: dict[str, Any], key: str, optional: bool = False) -> float | No
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e12:
-        raise Rejected("invalid_field", f"{key} must be a non-negative number, got {value!r}")
+        raise Rejected("invalid_field", f"{key} must be a non-negative number, got {_show(value)}")
     return float(value)
 
 
 def _name(data: dict[str, Any], key: str) -> str:
     value = data.get(key)
     if not isinstance(value, str) or not _NAME.match(value):
-        raise Rejected("invalid_field", f"{key} must be 1-128 characters of [A-Za-z0-9_.:/@+-], got {value!r}")
+        raise Rejected("invalid_field", f"{key} must be 1-128 characters of [A-Za-z0-9_.:/@+-], got {_show(value)}")
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def parse_profiler_address(value: Any) -> str:
+    """``host:port`` with a real host (IP or DNS name) and a port in 1..65535; raises Rejected."""
+    if not isinstance(value, str) or len(value) > 260:
+        raise Rejected("invalid_field", f"profiler must be host:port, got {_show(value)}")
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise Rejected("invalid_field", f"profiler must be host:port with a port in 1..65535, got {_show(value)}")
+    try:
+        parse_host(host)
+    except ValueError:
+        raise Rejected("invalid_field", f"profiler must be host:port with a real host, got {_show(value)}") from None
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
+        raise Rejected("invalid_field", f"an IPv6 profiler host must be in brackets, got {_show(value)}")
     return value
 
 
@@ -86,17 +143,19 @@ def parse_report(payload: bytes, max_bytes: int) -> Report:
     """Validate one datagram of the hook's schema (README: "Hook report schema"); raise Rejected."""
     if len(payload) > max_bytes:
         raise Rejected("too_large", f"{len(payload)} bytes > {max_bytes}")
+    if payload.count(b"[") + payload.count(b"{") > MAX_BRACKETS:
+        raise Rejected("too_deep", "more nesting than a report has")
     try:
         data = json.loads(payload)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise Rejected("malformed_json", str(exc)) from None
     if not isinstance(data, dict):
         raise Rejected("not_an_object", type(data).__name__)
-    if data.get("v") != SCHEMA_VERSION:
-        raise Rejected("unknown_version", repr(data.get("v")))
+    if data.get("v") != SCHEMA_VERSION or isinstance(data.get("v"), bool):
+        raise Rejected("unknown_version", _show(data.get("v")))
     phase = data.get("phase")
-    if phase not in PHASES:
-        raise Rejected("invalid_field", f"phase must be one of {PHASES}, got {phase!r}")
+    if not isinstance(phase, str) or phase not in PHASES:
+        raise Rejected("invalid_field", f"phase must be one of {PHASES}, got {_show(phase)}")
     step = data.get("step_seconds")
     if not isinstance(step, dict):
         raise Rejected("invalid_field", "step_seconds must be an object")
@@ -109,9 +168,8 @@ def parse_report(payload: bytes, max_bytes: int) -> Report:
     if buckets[-1] > step_count:
         raise Rejected("invalid_field", "step_seconds.count is below the last bucket")
     profiler = data.get("profiler")
-    if profiler is not None and (not isinstance(profiler, str) or not re.match(r"^[A-Za-z0-9.\-\[\]:]{1,255}:\d+$",
-                                                                             profiler)):
-        raise Rejected("invalid_field", f"profiler must be host:port, got {profiler!r}")
+    if profiler is not None:
+        profiler = parse_profiler_address(profiler)
     pid = _int(data, "pid")
     if not pid:
         raise Rejected("invalid_field", "pid must be positive")
@@ -125,190 +183,477 @@ def parse_report(payload: bytes, max_bytes: int) -> Report:
     )
 
 
+# ---- trust: whose profiler server a report may point the agent at ----
+
+_LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        address = ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped or address
+
+
+def _is_loopback(host: str) -> bool:
+    address = _ip(host)
+    return host.lower() in _LOOPBACK_NAMES if address is None else address.is_loopback
+
+
+def listening_uids(net_tcp_texts: list[str], port: int) -> set[int]:
+    """Uids owning TCP sockets in LISTEN state on ``port``, from /proc/<pid>/net/tcp and tcp6."""
+    uids = set()
+    for text in net_tcp_texts:
+        for line in text.splitlines()[1:]:
+            parts = line.split()
+            if len(parts) < 8 or parts[3] != "0A":  # 0A = TCP_LISTEN
+                continue
+            if int(parts[1].rsplit(":", 1)[1], 16) == port:
+                uids.add(int(parts[7]))
+    return uids
+
+
+def check_profiler(report: Report, sender: Sender, env: Environment) -> str | None:
+    """The profiler address the agent may use for this report's process; raises Rejected("untrusted_profiler").
+
+    A local sender's server must be on loopback and its port listened on by the sender's uid (so
+    another user's server is never named). A UDP sender's server must be on the sender's own address.
+    """
+    if report.profiler is None:
+        return None
+    host, _, port = report.profiler.rpartition(":")
+    if sender.local:
+        if not _is_loopback(host):
+            raise Rejected("untrusted_profiler", f"a local process reports a profiler on {host}, not loopback")
+        texts = [t for name in ("tcp", "tcp6") if (t := env.paths.read_proc(f"{sender.pid}/net/{name}"))]
+        if sender.uid not in listening_uids(texts, int(port)):
+            raise Rejected("untrusted_profiler", f"port {port} is not listened on by the sender's uid {sender.uid}")
+        return f"127.0.0.1:{port}"
+    peer = _ip(sender.address or "")
+    if _ip(host) != peer and not (_is_loopback(host) and peer is not None and peer.is_loopback):
+        raise Rejected("untrusted_profiler", f"profiler host {host} is not the sender's address {sender.address}")
+    return report.profiler
+
+
+# ---- state ----
+
+Counts = tuple[int, int, int, float, tuple[int, ...]]  # steps, samples, step count, step sum, buckets
+_ZERO: Counts = (0, 0, 0, 0.0, (0,) * len(STEP_BUCKETS))
+
+
+def _counts(r: Report) -> Counts:
+    return r.steps, r.samples, r.step_count, r.step_sum, r.step_buckets
+
+
+def _add(a: Counts, b: Counts, sign: int = 1) -> Counts:
+    return (a[0] + sign * b[0], a[1] + sign * b[1], a[2] + sign * b[2], a[3] + sign * b[3],
+            tuple(x + sign * y for x, y in zip(a[4], b[4], strict=True)))
+
+
+ProcessKey = tuple[str, int, float]  # origin, pid, process start
+
+
+@dataclass
+class ProcessState:
+    key: ProcessKey
+    latest: Report
+    last_seen: float  # monotonic
+    profiler: str | None  # the address the agent may profile (checked), None if none
+    samples_per_second: float | None = None
+    recent_step_seconds: float | None = None
+
+
 @dataclass
 class JobState:
-    """What the agent knows of one (training_job, worker)."""
+    """One (training_job, worker): its live processes and the counts of those that went away."""
 
-    latest: Report
-    last_seen: float
-    # Totals carried over from earlier processes of the same job, so counters never go backwards.
-    base_steps: int = 0
-    base_samples: int = 0
-    base_step_count: int = 0
-    base_step_sum: float = 0.0
-    base_buckets: list[int] = field(default_factory=lambda: [0] * len(STEP_BUCKETS))
-    samples_per_second: float | None = None
-    recent_step_seconds: float | None = None  # mean step time between the last two reports
+    processes: dict[ProcessKey, ProcessState] = field(default_factory=dict)
+    folded: Counts = _ZERO
+    folded_by: OrderedDict[ProcessKey, Counts] = field(default_factory=OrderedDict)
+    last_seen: float = 0.0
 
-    @property
-    def steps(self) -> int:
-        return self.base_steps + self.latest.steps
+    def totals(self) -> Counts:
+        total = self.folded
+        for p in self.processes.values():
+            total = _add(total, _counts(p.latest))
+        return total
 
-    @property
-    def samples(self) -> int:
-        return self.base_samples + self.latest.samples
+
+@dataclass(frozen=True)
+class ProcessView:
+    """A reporting process as the rest of the agent sees it."""
+
+    job: str
+    worker: str
+    pid: int
+    local: bool
+    phase: str
+    training: bool  # in phase train and reporting now
+    profiler: str | None  # checked profiler address, if any
+
+
+@dataclass(frozen=True)
+class TrainingProcesses:
+    """Every process that reports to this agent, for the agent's job registry."""
+
+    processes: tuple[ProcessView, ...]
+
+
+@dataclass(frozen=True)
+class HookSettings:
+    enabled: bool = option(True, parse_bool, "Receive reports from the training hook.")
+    socket: str = option(default_socket_path(), parse_str,
+                         "Unix datagram socket where training processes on this host report (the kernel tells "
+                         "the agent the sender's pid); empty turns it off.", restart=True)
+    listen: tuple[str, int] | None = option(None, parse_optional_address,
+                                            "UDP address for reports from pods (e.g. 0.0.0.0:9847 with "
+                                            "hostNetwork); empty (the default) turns UDP off.", restart=True)
+    max_datagram_bytes: int = option(8192, parse_int, "Largest hook report accepted; larger ones are rejected.",
+                                     minimum=512, maximum=65507)
+    max_jobs: int = option(1000, parse_int, "At most this many (training_job, worker) series; reports of more "
+                           "are rejected (too_many_jobs).", minimum=1, maximum=100000)
+    down_after: float = option(30.0, parse_duration, "A job that has not reported for this long is marked down "
+                               "(tfprofd_training_up 0).", minimum=1, maximum=86400)
+    expire_after: float = option(600.0, parse_duration, "A job that has not reported for this long has its "
+                                 "series removed.", minimum=1, maximum=7 * 86400)
 
 
 class TrainingCollector(Collector):
     name = "training"
+    section = "hook"
+    Settings = HookSettings
+    signals: ClassVar[dict[str, tuple[str, ...]]] = {
+        "samples_per_second": ("training_job", "worker"),
+        "step_seconds": ("training_job", "worker"),
+        "seconds_without_first_step": ("training_job", "worker"),
+    }
 
-    def __init__(self, address: tuple[str, int], max_bytes: int = 8192, down_after: float = 30.0,
-                 expire_after: float = 600.0, clock: Clock | None = None,
-                 gpu_processes: Callable[[], list[tuple[int, str, list[int]]]] | None = None):
-        self.max_bytes = max_bytes
-        self.down_after = down_after
-        self.expire_after = expire_after
-        self.clock = clock or Clock()
-        self.gpu_processes = gpu_processes or (lambda: [])
+    def __init__(self, settings: HookSettings, env: Environment):
+        super().__init__(settings, env)
+        self.clock = env.clock
         self.jobs: dict[tuple[str, str], JobState] = {}
         self.accepted = 0
         self.rejected = dict.fromkeys(REJECT_REASONS, 0)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_DGRAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)  # ride out bursts from many workers
-        self._sock.bind(address)
-        self._sock.settimeout(0.2)
-        self.address = self._sock.getsockname()[:2]
-        self._thread = threading.Thread(target=self._receive_loop, name="tfprofd-hook-listener", daemon=True)
+        self._problem: str | None = None
+        self._new_job_logs: list[float] = []
+        self._logs_suppressed = 0
+        self._selector = selectors.DefaultSelector()
+        self._sockets: list[socket.socket] = []
+        try:
+            if settings.socket:
+                self._sockets.append(self._open_unix(Path(settings.socket)))
+            if settings.listen:
+                self._sockets.append(self._open_udp(settings.listen))
+        except OSError as exc:
+            self.close()
+            raise OSError(exc.errno, f"cannot open the hook's report socket: {exc.strerror or exc}") from None
+        for sock in self._sockets:
+            self._selector.register(sock, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._guarded_loop, name="tfprofd-hook-listener", daemon=True)
         self._thread.start()
+
+    # ---- sockets ----
+
+    @staticmethod
+    def _open_udp(address: tuple[str, int]) -> socket.socket:
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)  # ride out bursts from many workers
+        sock.bind(address)
+        sock.setblocking(False)
+        return sock
+
+    @staticmethod
+    def _open_unix(path: Path) -> socket.socket:
+        """The report socket, group-writable (training users join the agent's group), never world-writable."""
+        path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        parent = path.parent.lstat()
+        if parent.st_uid != os.geteuid() or parent.st_mode & 0o022:
+            raise PermissionError(errno.EPERM, f"{path.parent} must be the agent's own directory, writable only by "
+                                               "it (another user could swap the socket)")
+        try:
+            if stat.S_ISSOCK(path.lstat().st_mode):
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                try:
+                    probe.connect(str(path))
+                    raise OSError(errno.EADDRINUSE, f"{path} is in use by another running agent")
+                except ConnectionRefusedError:
+                    path.unlink()  # left behind by an agent that died
+                finally:
+                    probe.close()
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        old = os.umask(0o117)  # the socket file comes out 0660 whatever the agent's umask
+        try:
+            sock.bind(str(path))
+        except OSError:
+            sock.close()
+            raise
+        finally:
+            os.umask(old)
+        sock.setblocking(False)
+        return sock
+
+    @property
+    def udp_address(self) -> tuple[str, int] | None:
+        for sock in self._sockets:
+            if sock.family != socket.AF_UNIX:
+                return sock.getsockname()[:2]
+        return None
 
     # ---- receiving ----
 
+    def _guarded_loop(self) -> None:
+        try:
+            self._receive_loop()
+        except BaseException as exc:  # whatever kills the listener must turn health red
+            self._problem = f"hook listener died: {type(exc).__name__}: {exc}"
+            log.exception("the hook listener thread died; training reports are no longer received")
+
     def _receive_loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                payload = self._sock.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                continue
-            self.receive(payload)
+            for key, _ in self._selector.select(timeout=0.2):
+                sock: socket.socket = key.fileobj  # type: ignore[assignment]
+                for _ in range(256):  # drain, but let the stop flag be seen under a flood
+                    try:
+                        payload, sender = self._recv(sock)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError:
+                        if self._stop.is_set():
+                            return
+                        break
+                    self.receive(payload, sender)
 
-    def receive(self, payload: bytes) -> bool:
-        """Validate and apply one report; count and drop anything malformed."""
+    def _recv(self, sock: socket.socket) -> tuple[bytes, Sender]:
+        if sock.family == socket.AF_UNIX:
+            payload, ancillary, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(_CREDS.size))
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CREDS.size:
+                    pid, uid, _ = _CREDS.unpack(data[:_CREDS.size])
+                    return payload, Sender(local=True, pid=pid, uid=uid)
+            return payload, Sender(local=True)  # no credentials: the pid check rejects it
+        payload, peer = sock.recvfrom(65536)
+        return payload, Sender(local=False, address=peer[0])
+
+    def receive(self, payload: bytes, sender: Sender) -> bool:
+        """Validate and apply one report; count and drop anything malformed, whatever goes wrong."""
         try:
-            report = parse_report(payload, self.max_bytes)
+            report = parse_report(payload, self.settings.max_datagram_bytes)
+            if sender.local and report.pid != sender.pid:
+                raise Rejected("pid_mismatch", f"report says pid {report.pid}, the kernel says {sender.pid}")
             with self._lock:
-                self._apply(report)
+                self._apply(report, sender)
                 self.accepted += 1
-                self.version += 1
             return True
         except Rejected as exc:
-            with self._lock:
-                self.rejected[exc.reason] += 1
-                self.version += 1
-            log.debug("hook report rejected: %s", exc)
-            return False
+            reason, detail = exc.reason, str(exc)
+        except Exception as exc:  # a bug must cost one report, never the listener
+            reason, detail = "internal_error", f"{type(exc).__name__}: {exc}"
+            log.exception("hook report could not be handled")
+        with self._lock:
+            self.rejected[reason] += 1
+        log.debug("hook report rejected: %s", detail)
+        return False
 
-    def _apply(self, report: Report) -> None:
-        key = (report.job, report.worker)
+    def _apply(self, report: Report, sender: Sender) -> None:
+        series = (report.job, report.worker)
         now = self.clock.monotonic()
-        state = self.jobs.get(key)
-        if state is None:
-            self.jobs[key] = JobState(latest=report, last_seen=now)
-            log.info("training job %s worker %s reporting (pid %d, profiler %s)", report.job, report.worker,
-                     report.pid, report.profiler or "off")
-            return
-        previous = state.latest
-        if report.pid != previous.pid or report.process_start != previous.process_start:
-            # A new process of the same job: its counters start over, so carry the old ones forward.
-            state.base_steps += previous.steps
-            state.base_samples += previous.samples
-            state.base_step_count += previous.step_count
-            state.base_step_sum += previous.step_sum
-            state.base_buckets = [a + b for a, b in zip(state.base_buckets, previous.step_buckets, strict=True)]
-            state.samples_per_second = None
-            log.info("training job %s worker %s restarted (pid %d -> %d)", report.job, report.worker,
-                     previous.pid, report.pid)
+        job = self.jobs.get(series)
+        if job is None:
+            if len(self.jobs) >= self.settings.max_jobs:
+                raise Rejected("too_many_jobs",
+                               f"already {len(self.jobs)} (training_job, worker) series (hook.max_jobs)")
+            job = JobState()
+        key: ProcessKey = (sender.origin, report.pid, report.process_start)
+        process = job.processes.get(key)
+        if process is None:
+            if len(job.processes) >= MAX_PROCESSES_PER_JOB:
+                raise Rejected("too_many_jobs", f"{series} already has {MAX_PROCESSES_PER_JOB} live processes")
+            profiler = check_profiler(report, sender, self.env)
+            folded = job.folded_by.pop(key, None)
+            if folded is not None:  # a process we took for gone reports again: take its counts back out
+                job.folded = _add(job.folded, folded, -1)
+            if series not in self.jobs:
+                self.jobs[series] = job
+            job.processes[key] = ProcessState(key, report, now, profiler)
+            self._log_new(report, sender, profiler)
         else:
+            previous = process.latest
             if report.seq <= previous.seq:
                 raise Rejected("stale", f"seq {report.seq} after {previous.seq}")
-            if report.steps < previous.steps or report.samples < previous.samples:
-                raise Rejected("counter_decreased", f"steps {previous.steps}->{report.steps}")
+            if (report.steps < previous.steps or report.samples < previous.samples
+                    or report.step_count < previous.step_count or report.step_sum < previous.step_sum
+                    or any(a < b for a, b in zip(report.step_buckets, previous.step_buckets, strict=True))):
+                raise Rejected("counter_decreased", f"counters went backwards within pid {report.pid}")
+            if report.profiler != previous.profiler:
+                process.profiler = check_profiler(report, sender, self.env)
             elapsed = report.time - previous.time
             if elapsed > 0:
-                state.samples_per_second = (report.samples - previous.samples) / elapsed
+                process.samples_per_second = (report.samples - previous.samples) / elapsed
             steps = report.step_count - previous.step_count
             if steps > 0:
-                state.recent_step_seconds = (report.step_sum - previous.step_sum) / steps
-        state.latest = report
-        state.last_seen = now
+                process.recent_step_seconds = (report.step_sum - previous.step_sum) / steps
+            process.latest = report
+            process.last_seen = now
+        job.last_seen = now
 
-    # ---- the collector interface ----
+    def _log_new(self, report: Report, sender: Sender, profiler: str | None) -> None:
+        """One line per new process, at most NEW_JOB_LOGS_PER_MINUTE a minute (a flood must not flood the log)."""
+        now = self.clock.monotonic()
+        self._new_job_logs = [t for t in self._new_job_logs if now - t < 60]
+        if len(self._new_job_logs) >= NEW_JOB_LOGS_PER_MINUTE:
+            self._logs_suppressed += 1
+            return
+        self._new_job_logs.append(now)
+        more = f" ({self._logs_suppressed} more new processes not logged)" if self._logs_suppressed else ""
+        self._logs_suppressed = 0
+        log.info("training job %s worker %s reporting: pid %d from %s, profiler %s%s", report.job, report.worker,
+                 report.pid, sender.origin, profiler or "off", more)
+
+    # ---- sampling: processes that went away, jobs that expired ----
+
+    def _pid_gone(self, process: ProcessState) -> bool:
+        if process.key[0] != "local":
+            return False
+        return not (self.env.paths.procfs / str(process.latest.pid)).exists()
 
     def sample(self) -> bool:
-        """Forget jobs that stopped reporting long ago."""
+        """Retire processes that exited or went quiet; forget jobs that stopped reporting long ago."""
         now = self.clock.monotonic()
         with self._lock:
-            for key, state in list(self.jobs.items()):
-                if now - state.last_seen > self.expire_after:
-                    del self.jobs[key]
-                    log.info("training job %s worker %s expired after %.0fs without reports", *key,
-                             self.expire_after)
+            candidates = [(series, key, p) for series, job in self.jobs.items() for key, p in job.processes.items()]
+        gone = {(series, key) for series, key, p in candidates
+                if now - p.last_seen > self.settings.down_after or self._pid_gone(p)}
+        with self._lock:
+            for series, key in gone:
+                job = self.jobs.get(series)
+                process = job.processes.pop(key, None) if job else None
+                if process is None:
+                    continue
+                counts = _counts(process.latest)
+                job.folded = _add(job.folded, counts)
+                job.folded_by[key] = counts
+                while len(job.folded_by) > FOLDED_KEPT:
+                    job.folded_by.popitem(last=False)
+                log.info("training job %s worker %s: pid %d stopped reporting", *series, process.latest.pid)
+            for series, job in list(self.jobs.items()):
+                if not job.processes and now - job.last_seen > self.settings.expire_after:
+                    del self.jobs[series]
+                    log.info("training job %s worker %s expired after %.0fs without reports", *series,
+                             self.settings.expire_after)
         return True
 
-    def active_jobs(self) -> dict[tuple[str, str], JobState]:
+    def _fresh(self, process: ProcessState, now: float) -> bool:
+        return now - process.last_seen <= RATE_STALE_SECONDS
+
+    def rule_signals(self) -> Signals:
+        now, wall = self.clock.monotonic(), self.clock.time()
+        out: dict[str, list[tuple[dict[str, str], float]]] = {name: [] for name in self.signals}
+        with self._lock:
+            for (job, worker), state in self.jobs.items():
+                labels = {"training_job": job, "worker": worker}
+                training = [p for p in state.processes.values() if p.latest.phase == "train" and self._fresh(p, now)]
+                rates = [p.samples_per_second for p in training if p.samples_per_second is not None]
+                if rates:
+                    out["samples_per_second"].append((labels, sum(rates)))
+                steps = [p.recent_step_seconds for p in training if p.recent_step_seconds is not None]
+                if steps:
+                    out["step_seconds"].append((labels, sum(steps) / len(steps)))
+                waiting = [wall - p.latest.process_start for p in state.processes.values()
+                           if p.latest.first_step_seconds is None]
+                if waiting:
+                    out["seconds_without_first_step"].append((labels, max(waiting)))
+        return out
+
+    def facts(self) -> tuple[TrainingProcesses, ...]:
         now = self.clock.monotonic()
         with self._lock:
-            return {k: s for k, s in self.jobs.items() if now - s.last_seen <= self.down_after}
+            views = tuple(ProcessView(job, worker, p.latest.pid, p.key[0] == "local", p.latest.phase,
+                                      p.latest.phase == "train" and self._fresh(p, now), p.profiler)
+                          for (job, worker), state in sorted(self.jobs.items()) for p in state.processes.values())
+        return (TrainingProcesses(views),)
 
-    def job_gpus(self) -> list[tuple[int, str, str, str]]:
-        """(gpu index, uuid, training_job, worker) for every GPU running a reporting job's process."""
-        with self._lock:
-            by_pid = {s.latest.pid: key for key, s in self.jobs.items()}
-        out = []
-        for index, uuid, pids in self.gpu_processes():
-            for key in sorted({by_pid[p] for p in pids if p in by_pid}):
-                out.append((index, uuid, *key))
-        return out
+    def problem(self) -> str | None:
+        return self._problem
 
     def close(self) -> None:
         self._stop.set()
-        self._sock.close()
-        self._thread.join(timeout=1)
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1)
+        for sock in self._sockets:
+            if sock.family == socket.AF_UNIX:
+                path = sock.getsockname()
+                try:
+                    if path and stat.S_ISSOCK(os.lstat(path).st_mode):
+                        os.unlink(path)
+                except OSError:
+                    pass
+            sock.close()
+        self._selector.close()
 
     def collect(self) -> Iterator[Metric]:
         now = self.clock.monotonic()
         with self._lock:
-            jobs = sorted(self.jobs.items())
+            rows = []
+            for key, state in sorted(self.jobs.items()):
+                live = sorted(state.processes.values(), key=lambda p: p.latest.time)
+                fresh = [p for p in live if self._fresh(p, now)]
+                rates = [p.samples_per_second for p in fresh
+                         if p.latest.phase == "train" and p.samples_per_second is not None]
+                rows.append((key, state.totals(), live, now - state.last_seen <= self.settings.down_after,
+                             sum(rates) if rates else None))
             rejected = sorted(self.rejected.items())
             accepted = self.accepted
         labels = ["training_job", "worker"]
         yield counter("hook_reports", "Total training-hook reports accepted.", [], [((), accepted)])
         yield counter("hook_reports_rejected", "Total training-hook reports rejected and dropped, by reason.",
                       ["reason"], (((reason,), n) for reason, n in rejected))
+        yield gauge("hook_jobs", "Number of (training_job, worker) series the agent tracks (at most hook.max_jobs).",
+                    [], [((), len(rows))])
         yield gauge("training_up", "Whether the training job reported within the last down_after seconds.", labels,
-                    ((key, 1.0 if now - s.last_seen <= self.down_after else 0.0) for key, s in jobs))
+                    ((key, 1.0 if up else 0.0) for key, _, _, up, _ in rows))
+        yield gauge("training_processes", "Number of processes reporting for the training job.", labels,
+                    ((key, len(live)) for key, _, live, _, _ in rows))
         yield counter("training_steps", "Total training steps the job has run.", labels,
-                      ((key, s.steps) for key, s in jobs))
+                      ((key, totals[0]) for key, totals, _, _, _ in rows))
         yield counter("training_samples", "Total training samples (examples) the job has processed.", labels,
-                      ((key, s.samples) for key, s in jobs))
-        yield gauge("training_samples_per_second", "Training throughput between the job's last two reports.",
-                    labels, ((key, s.samples_per_second) for key, s in jobs if s.samples_per_second is not None))
+                      ((key, totals[1]) for key, totals, _, _, _ in rows))
+        yield gauge("training_samples_per_second", "Training throughput of the job's processes, summed, between "
+                    "their last two reports (absent while none trains).", labels,
+                    ((key, rate) for key, _, _, _, rate in rows if rate is not None))
         yield gauge("training_batch_size", "Batch size the job declared.", labels,
-                    ((key, s.latest.batch_size) for key, s in jobs if s.latest.batch_size is not None))
+                    ((key, live[-1].latest.batch_size) for key, _, live, _, _ in rows
+                     if live and live[-1].latest.batch_size is not None))
         yield gauge("training_epoch", "Current epoch of the job (0-based).", labels,
-                    ((key, s.latest.epoch) for key, s in jobs))
+                    ((key, max(p.latest.epoch for p in live)) for key, _, live, _, _ in rows if live))
         yield gauge("training_phase", "Whether the job is in this phase (1) or not (0).", [*labels, "phase"],
-                    (([*key, phase], 1.0 if s.latest.phase == phase else 0.0) for key, s in jobs for phase in PHASES))
+                    (([*key, phase], 1.0 if phase == _phase(live) else 0.0)
+                     for key, _, live, _, _ in rows if live for phase in PHASES))
         yield gauge("training_first_step_seconds", "Seconds from process start to the job's first training step.",
-                    labels, ((key, s.latest.first_step_seconds) for key, s in jobs
-                             if s.latest.first_step_seconds is not None))
-        yield gauge("training_info", "Training job metadata: the profiler server address; the value is 1.",
-                    [*labels, "profiler_address"], (([*key, s.latest.profiler or ""], 1) for key, s in jobs))
+                    labels, ((key, live[-1].latest.first_step_seconds) for key, _, live, _, _ in rows
+                             if live and live[-1].latest.first_step_seconds is not None))
+        yield gauge("training_info", "Training job metadata: the profiler server address of each of its processes; "
+                    "the value is 1.", [*labels, "profiler_address"],
+                    (([*key, address], 1) for key, _, live, _, _ in rows
+                     for address in sorted({p.profiler or "" for p in live})))
         histogram = HistogramMetricFamily(PREFIX + "training_step_duration_seconds",
                                           "Duration of training steps as the hook measured them.", labels=labels)
-        for key, s in jobs:
-            counts = [a + b for a, b in zip(s.base_buckets, s.latest.step_buckets, strict=True)]
-            total = s.base_step_count + s.latest.step_count
-            buckets = [(repr(bound), float(c)) for bound, c in zip(STEP_BUCKETS, counts, strict=True)]
-            buckets.append(("+Inf", float(total)))
-            histogram.add_metric(list(key), buckets, s.base_step_sum + s.latest.step_sum)
+        for key, totals, _, _, _ in rows:
+            buckets = [(repr(bound), float(c)) for bound, c in zip(STEP_BUCKETS, totals[4], strict=True)]
+            buckets.append(("+Inf", float(totals[2])))
+            histogram.add_metric(list(key), buckets, totals[3])
         yield histogram
-        yield gauge("gpu_job_info", "Which training job runs on which GPU (by NVML process list); the value is 1.",
-                    ["gpu", "uuid", *labels], (([str(i), uuid, job, worker], 1)
-                                               for i, uuid, job, worker in self.job_gpus()))
+
+
+def _phase(live: list[ProcessState]) -> str:
+    """A job trains if any of its processes does; otherwise it is in its newest process's phase."""
+    return "train" if any(p.latest.phase == "train" for p in live) else live[-1].latest.phase

@@ -114,10 +114,12 @@ class AgentProcess:
                  fixtures: bool = True):
         self.tmp = tmp
         self.port, self.api_port, self.hook_port = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
+        self.hook_socket = tmp / f"hook-{self.port}.sock"
         self.args = [
             "--listen", f"127.0.0.1:{self.port}",
             "--api.listen", f"127.0.0.1:{self.api_port}",
             "--hook.listen", f"127.0.0.1:{self.hook_port}",
+            "--hook.socket", str(self.hook_socket),
             "--state-dir", str(tmp / "state"),
             "--interval", "0.2",
         ]
@@ -162,6 +164,15 @@ class AgentProcess:
         status, text = http("GET", self.url + "/metrics")
         assert status == 200, text
         return text
+
+    @property
+    def token(self) -> str:
+        """The control API token the agent generated in its state directory."""
+        return (self.tmp / "state" / "api.token").read_text().strip()
+
+    def call(self, method: str, path: str, body: Any = None, timeout: float = 10) -> tuple[int, Any]:
+        """A control API request with the agent's token; ``path`` is under /api/v1."""
+        return http(method, self.api + path, body, token=self.token, timeout=timeout)
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
@@ -228,7 +239,7 @@ def job_reporting(agent: AgentProcess, job: str) -> bool:
 
 def wait_capture(agent: AgentProcess, capture_id: str, timeout: float = 60) -> dict[str, Any]:
     def finished():
-        status, record = http("GET", f"{agent.api}/captures/{capture_id}")
+        status, record = agent.call("GET", f"/captures/{capture_id}")
         assert status == 200, record
         return record if record["status"] not in ("running", "analyzing") else None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from helpers import AgentProcess, http, job_reporting, metric_value, start_training, wait_capture, wait_for
+from helpers import AgentProcess, job_reporting, metric_value, start_training, wait_capture, wait_for
 
 BASE = ["--features", "64", "--width", "1536", "--batch-size", "64", "--samples", "4096", "--map-delay", "0.0002",
         "--parallel-reads", "4"]
@@ -42,7 +42,7 @@ def run(agent: AgentProcess, scenario: Scenario, warmup: float = 4.0) -> dict:
             return metric_value(agent.scrape(), "tfprofd_training_samples_total", training_job=scenario.name) or 0
 
         first, started = samples(), time.monotonic()
-        status, answer = http("POST", f"{agent.api}/captures", {"job": scenario.name, "duration_ms": 2000})
+        status, answer = agent.call("POST", "/captures", {"job": scenario.name, "duration_ms": 2000})
         assert status == 202, answer
         record = wait_capture(agent, answer["id"], timeout=240)
         rate = (samples() - first) / (time.monotonic() - started)

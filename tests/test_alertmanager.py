@@ -18,7 +18,6 @@ from helpers import (
     build_fakenvml,
     free_port,
     gpu,
-    http,
     job_reporting,
     start_prometheus,
     start_training,
@@ -62,6 +61,9 @@ receivers:
     webhook_configs:
       - url: http://127.0.0.1:{agent.api_port}/api/v1/alerts
         send_resolved: true
+        http_config:
+          authorization:
+            credentials_file: {tmp_path / "state" / "api.token"}
 """)
     servers = []
     job = start_training(agent.hook_port, "--job", "bert", "--seconds", "300", "--map-delay", "0.0002")
@@ -77,7 +79,7 @@ receivers:
         state.update_gpu(0, utilization_gpu=10)
 
         def alert_capture():
-            captures = http("GET", f"{agent.api}/captures")[1]["captures"]
+            captures = agent.call("GET", "/captures")[1]["captures"]
             return next((c for c in captures if c["trigger"] == "alert"), None)
 
         record = wait_for(alert_capture, 60, 0.5, message="a capture triggered by Alertmanager")
@@ -86,7 +88,7 @@ receivers:
         # Alertmanager repeats the notification every 3 s while the alert fires: no second capture.
         wait_for(lambda: agent.log().count("alert TfprofdGpuUnderutilized already handled") >= 2, 30, 0.5,
                  message="repeated notifications")
-        captures = http("GET", f"{agent.api}/captures")[1]["captures"]
+        captures = agent.call("GET", "/captures")[1]["captures"]
         assert [c["trigger"] for c in captures] == ["alert"], captures
     finally:
         job.kill()

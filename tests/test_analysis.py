@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tfprofd.daemon.captures import CaptureManager, CaptureRecord
-
-from helpers import http, job_reporting, metric_value, start_training, wait_capture, wait_for
+from helpers import job_reporting, metric_value, start_training, wait_capture, wait_for
 
 pytestmark = pytest.mark.tf
 
@@ -55,7 +53,7 @@ def unmarked(tmp_path_factory):
     try:
         wait_for(lambda: (metric_value(agent.scrape(), "tfprofd_training_steps_total", training_job="plain") or 0) > 50,
                  90, message="the unmarked job to train")
-        status, answer = http("POST", f"{agent.api}/captures", {"job": "plain", "duration_ms": 1000})
+        status, answer = agent.call("POST", "/captures", {"job": "plain", "duration_ms": 1000})
         assert status == 202, answer
         record = wait_capture(agent, answer["id"], timeout=180)
         yield agent, record
@@ -78,19 +76,14 @@ def test_trace_without_step_markers_is_unknown_with_a_reason(unmarked):
     assert record["bytes"] > trace.stat().st_size
 
 
-def test_truncated_trace_gives_analysis_failed_and_keeps_the_files(unmarked, tmp_path):
+def test_truncated_trace_is_a_clear_error_and_keeps_the_files(unmarked, tmp_path):
     _, record = unmarked
     source = Path(record["directory"]) / record["files"][0]
-    directory = tmp_path / "captures" / "truncated"
-    trace = directory / record["files"][0]
+    trace = tmp_path / "captures" / "truncated" / record["files"][0]
     trace.parent.mkdir(parents=True)
     trace.write_bytes(source.read_bytes()[: source.stat().st_size // 3])
-    manager = CaptureManager(tmp_path / "captures", lambda: {})
-    broken = CaptureRecord(id="truncated", trigger="manual", job="plain", targets=[], requested_at=0, duration_ms=1000,
-                           mode="server", status="analyzing", files=[record["files"][0]], directory=str(directory))
-    manager._analyze(broken, timeout=120)
-    assert broken.status == "analysis_failed" and broken.reason == "analysis_error"
-    assert "corrupt or truncated" in broken.detail
+    result = analyze_cli(str(tmp_path / "captures" / "truncated"), "--json")  # what the agent's worker runs
+    assert result.returncode == 1 and "corrupt or truncated" in json.loads(result.stdout)["error"]
     assert trace.exists()
 
 
@@ -99,7 +92,7 @@ def test_idle_process_gives_empty_trace_and_the_stub_is_deleted(unmarked, tmp_pa
     job = start_training(agent.hook_port, "--job", "idle", "--idle", "40", "--seconds", "1")
     try:
         wait_for(lambda: job_reporting(agent, "idle"), 90, message="the idle job to report")
-        status, answer = http("POST", f"{agent.api}/captures", {"job": "idle", "duration_ms": 1000})
+        status, answer = agent.call("POST", "/captures", {"job": "idle", "duration_ms": 1000})
         assert status == 202, answer
         record = wait_capture(agent, answer["id"], timeout=120)
     finally:

@@ -62,7 +62,7 @@ def test_every_dashboard_query_parses_and_returns_data(tmp_path):
         prometheus, prom_port = start_prometheus(tmp_path, agent.port)
         state.update_gpu(0, processes=[{"pid": job.pid, "used_memory_bytes": 2**30}])
         wait_for(lambda: job_reporting(agent, "vit"), 90, message="the Keras job to report")
-        status, answer = http("POST", f"{agent.api}/captures", {"job": "vit"})
+        status, answer = agent.call("POST", "/captures", {"job": "vit"})
         assert status == 202, answer
         assert wait_capture(agent, answer["id"], timeout=120)["status"] == "done"
         time.sleep(6)  # a few more scrapes, so rates and the capture annotation have samples

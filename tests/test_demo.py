@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -16,9 +15,11 @@ from helpers import wait_for
 pytestmark = pytest.mark.tf
 
 
-def demo(tmp_path, *args: str) -> subprocess.Popen:
+def demo(tmp_path, *args: str, sigint_ignored: bool = False) -> subprocess.Popen:
+    """The demo; ``sigint_ignored`` starts it as a shell's background job (``make test &``) would."""
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     return subprocess.Popen([sys.executable, "-m", "tfprofd.daemon", "demo", "--dir", str(tmp_path), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=ignore)
 
 
 def alive(pid: int) -> bool:
@@ -39,12 +40,11 @@ def test_demo_finds_the_input_bottleneck(tmp_path):
 
 
 def test_ctrl_c_stops_every_process_the_demo_started(tmp_path):
-    proc = demo(tmp_path)
+    proc = demo(tmp_path, sigint_ignored=True)
     first = proc.stdout.readline()
     pids = [int(p) for p in re.findall(r"pid (\d+)", first)]
     assert len(pids) == 2, first
     wait_for(lambda: all(alive(p) for p in pids), 10, message="agent and job running")
-    time.sleep(3)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130, out

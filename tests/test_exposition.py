@@ -1,19 +1,53 @@
-"""The scrape survives a collector whose collect() raises."""
+"""The scrape: content negotiation and gzip as prometheus_client does them, and a scrape that survives a
+part of the agent whose metrics fail."""
 
 from __future__ import annotations
 
-from tfprofd.daemon import config
-from tfprofd.daemon.agent import Agent
+import gzip
+import http.client
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import metric_value
 
 
-def test_a_failing_rules_collector_leaves_the_rest_of_the_scrape(caplog):
+def get(agent, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=10)
+    conn.request("GET", "/metrics", headers=headers)
+    response = conn.getresponse()
+    body = response.read()
+    conn.close()
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, body
+
+
+def test_openmetrics_and_text_and_gzip_are_negotiated(agents):
+    agent = agents()
+    status, headers, body = get(agent, {"Accept": "application/openmetrics-text; version=1.0.0,text/plain;q=0.5"})
+    assert status == 200 and headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert body.endswith(b"# EOF\n") and body.count(b"# EOF") == 1
+    assert b"# TYPE tfprofd_cpu_seconds counter" in body  # OpenMetrics names a counter without _total
+    status, headers, body = get(agent, {})
+    assert headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert b"# TYPE tfprofd_cpu_seconds_total counter" in body and b"# EOF" not in body
+    names = {f.name for f in text_string_to_metric_families(body.decode())}
+    assert "tfprofd_collector_success" in names
+    status, headers, zipped = get(agent, {"Accept-Encoding": "gzip"})
+    assert headers["content-encoding"] == "gzip"
+    assert metric_value(gzip.decompress(zipped).decode(), "tfprofd_collector_success", collector="cpu") == 1
+
+
+def test_a_failing_part_leaves_the_rest_of_the_scrape(caplog):
+    from tfprofd.daemon import config
+    from tfprofd.daemon.agent import Agent
+
     agent = Agent(config.load(None, env={}))
 
     def broken():
         raise RuntimeError("boom")
 
-    agent.rules.collect = broken
-    text = agent.exposition().decode()
-    assert "tfprofd_build_info" in text
-    assert "tfprofd_rule_active" not in text
-    assert "collector rules failed to render metrics" in caplog.text
+    agent.engine.collect = broken
+    families = agent._live()
+    assert "tfprofd_gpu_job_info" in {f.name for f in families}
+    assert "tfprofd_rule_active" not in {f.name for f in families}
+    agent._live()
+    assert caplog.text.count("the rules metrics failed") == 1

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tfprofd.exporter.hook import Reporter
-from tfprofd.exporter.training import REJECT_REASONS, Rejected, parse_report
+from tfprofd.exporter.training import MAX_BRACKETS, REJECT_REASONS, Rejected, parse_report
 
 from helpers import metric_value, wait_for
 
@@ -60,7 +60,8 @@ def test_fuzzed_datagrams_never_crash_the_agent_and_are_counted(agents):
     sent: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
     payloads: list[tuple[bytes, str]] = []
     for _ in range(150):
-        payloads.append((rng.randbytes(rng.randint(1, 2000)), "malformed_json"))
+        junk = rng.randbytes(rng.randint(1, 2000))
+        payloads.append((junk, "too_deep" if junk.count(b"[") + junk.count(b"{") > MAX_BRACKETS else "malformed_json"))
     base = encode(valid())
     for cut in range(1, len(base) - 1, 7):
         payloads.append((base[:cut], "malformed_json"))

@@ -8,15 +8,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tfprofd.exporter.base import HostPaths, parse_pressure
-from tfprofd.exporter.cpu import CpuCollector, busy_ratios, parse_loadavg
-from tfprofd.exporter.disk import DiskCollector
-from tfprofd.exporter.memory import MemoryCollector
-from tfprofd.exporter.network import NetworkCollector, parse_speed
+from tfprofd.exporter.base import Environment, HostPaths, parse_pressure
+from tfprofd.exporter.cpu import CpuCollector, CpuSettings, busy_ratios, parse_loadavg
+from tfprofd.exporter.disk import DiskCollector, DiskSettings
+from tfprofd.exporter.memory import MemoryCollector, MemorySettings
+from tfprofd.exporter.network import NetworkCollector, NetworkSettings, parse_speed
 
 from helpers import FIXTURES
 
-PATHS = HostPaths(FIXTURES / "proc", FIXTURES / "sys")
+ENV = Environment(HostPaths(FIXTURES / "proc", FIXTURES / "sys"))
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +58,7 @@ def test_parse_speed(text, expected):
 
 
 def test_cpu_collector_sums_modes_over_cpus():
-    cpu = CpuCollector(PATHS)
+    cpu = CpuCollector(CpuSettings(), ENV)
     assert cpu.sample()
     got = families(cpu)
     ticks = psutil._pslinux.CLOCK_TICKS
@@ -72,7 +72,7 @@ def test_cpu_collector_sums_modes_over_cpus():
 
 
 def test_memory_collector_follows_free():
-    mem = MemoryCollector(PATHS)
+    mem = MemoryCollector(MemorySettings(), ENV)
     mem.sample()
     got = families(mem)
     assert got["tfprofd_memory_total_bytes"][()] == 65773892 * 1024
@@ -81,7 +81,7 @@ def test_memory_collector_follows_free():
 
 
 def test_disk_collector_skips_partitions_and_loop_devices():
-    disk = DiskCollector(PATHS, re.compile(r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]|nvme\d+n\d+p)\d+$"))
+    disk = DiskCollector(DiskSettings(), ENV)
     disk.sample()
     got = families(disk)
     read = got["tfprofd_disk_read_bytes_total"]
@@ -91,7 +91,7 @@ def test_disk_collector_skips_partitions_and_loop_devices():
 
 
 def test_network_collector_excludes_loopback_and_veth_and_reads_speed():
-    net = NetworkCollector(PATHS, re.compile(r"^(lo|veth.*)$"))
+    net = NetworkCollector(NetworkSettings(device_exclude=re.compile(r"^(lo|veth.*)$")), ENV)
     net.sample()
     got = families(net)
     rx = got["tfprofd_network_receive_bytes_total"]
@@ -103,6 +103,6 @@ def test_network_collector_excludes_loopback_and_veth_and_reads_speed():
 
 def test_missing_pressure_files_mean_no_pressure_series(tmp_path: Path):
     (tmp_path / "loadavg").write_text("0.5 0.4 0.3 1/2 3\n")
-    cpu = CpuCollector(HostPaths(tmp_path, tmp_path))
+    cpu = CpuCollector(CpuSettings(), Environment(HostPaths(tmp_path, tmp_path)))
     cpu.sample()
     assert "tfprofd_pressure_cpu_waiting_seconds_total" not in families(cpu)

@@ -7,7 +7,8 @@ import textwrap
 import pytest
 
 from tfprofd.daemon import config
-from tfprofd.daemon.rules import Condition, Engine, Rule, aggregate, holds
+from tfprofd.daemon.rules import FIRING, PENDING, RESOLVED, Condition, Engine, Rule, aggregate, holds
+from tfprofd.exporter.registry import signal_catalog
 
 
 def load(tmp_path, text: str):
@@ -21,7 +22,7 @@ def test_shipped_rules_load_and_a_rules_list_replaces_them(tmp_path):
         "low_gpu_utilization", "throughput_drop", "cpu_bottleneck", "io_bottleneck", "gpu_memory_growth",
         "host_memory_growth", "step_time_outlier", "slow_initialization", "network_receive_saturated"}
     _, cfg = load(tmp_path, "rules: []\n")
-    assert cfg.rules == []
+    assert cfg.rules == ()
 
 
 def test_rule_errors_name_file_line_and_key(tmp_path):
@@ -69,59 +70,121 @@ def test_baseline_drop_needs_history_and_compares_to_the_median():
     assert holds(condition, __import__("collections").deque([(0, 1.0)]), 0)[0] is False  # no baseline yet
 
 
-def engine(rule: Rule, training=True):
-    fired = []
-    e = Engine(rules=[rule], on_fire=lambda r, labels, v: fired.append((r.name, labels, v)),
-               training_active=lambda labels: training)
-    return e, fired
+class Scripted:
+    """An engine with one rule, fed by hand; ``fired`` collects the firings."""
+
+    def __init__(self, rule: Rule, training: bool = True):
+        self.engine = Engine([rule], signal_catalog())
+        self.training = training
+        self.transitions: list = []
+
+    def observe(self, source: str, t: float, signals: dict) -> list:
+        out = self.engine.observe(source, t, signals, lambda labels: self.training)
+        self.transitions += out
+        return out
+
+    @property
+    def fired(self) -> list:
+        return [(t.rule.name, t.labels, t.value) for t in self.transitions if t.kind == FIRING]
+
+    def active(self) -> dict[tuple, float]:
+        [family, _] = self.engine.collect()
+        return {tuple(sorted((k, v) for k, v in s.labels.items() if v)): s.value for s in family.samples}
 
 
 def test_for_duration_counts_from_the_first_sample_that_crossed():
     rule = Rule("low", "", (Condition("gpu_utilization", below=0.5),), for_seconds=30)
-    e, fired = engine(rule)
+    e = Scripted(rule)
     for t in range(0, 10):
         e.observe("nvml", t, {"gpu_utilization": [({"gpu": "0"}, 0.95)]})
     for t in range(10, 40):  # dropped at t=10: not yet firing at t=39
         e.observe("nvml", t, {"gpu_utilization": [({"gpu": "0"}, 0.3)]})
-    assert fired == []
+    assert e.fired == []
+    assert [t.kind for t in e.transitions] == [PENDING]
     e.observe("nvml", 40, {"gpu_utilization": [({"gpu": "0"}, 0.3)]})
-    assert fired == [("low", {"gpu": "0"}, 0.3)]
+    assert e.fired == [("low", {"gpu": "0"}, 0.3)]
     e.observe("nvml", 41, {"gpu_utilization": [({"gpu": "0"}, 0.3)]})
-    assert len(fired) == 1  # fires once per episode
-    assert e.firings == {"low": 1}
+    assert len(e.fired) == 1  # fires once per episode
     e.observe("nvml", 42, {"gpu_utilization": [({"gpu": "0"}, 0.9)]})
-    assert not e.states[("low", (("gpu", "0"),))].active
+    assert e.transitions[-1].kind == RESOLVED and e.transitions[-1].why == "condition cleared"
+    assert e.active()[(("gpu", "0"), ("rule", "low"))] == 0
+
+
+def test_a_series_shows_at_once_and_goes_when_its_gpu_goes_resolving_the_alert():
+    rule = Rule("low", "", (Condition("gpu_utilization", below=0.5),), for_seconds=0)
+    e = Scripted(rule)
+    e.observe("nvml", 0, {"gpu_utilization": [({"gpu": "0"}, 0.95), ({"gpu": "1"}, 0.95)]})
+    assert e.active() == {(("gpu", "0"), ("rule", "low")): 0, (("gpu", "1"), ("rule", "low")): 0}
+    e.observe("nvml", 1, {"gpu_utilization": [({"gpu": "0"}, 0.95), ({"gpu": "1"}, 0.1)]})
+    assert e.active()[(("gpu", "1"), ("rule", "low"))] == 1
+    e.observe("nvml", 2, {"gpu_utilization": [({"gpu": "0"}, 0.95)]})  # GPU 1 fell off the bus
+    assert e.active() == {(("gpu", "0"), ("rule", "low")): 0}
+    last = e.transitions[-1]
+    assert (last.kind, last.labels, last.why) == (RESOLVED, {"gpu": "1"}, "series gone")
+
+
+def test_a_job_that_stops_training_resolves_its_rule():
+    rule = Rule("drop", "", (Condition("samples_per_second", below=50),), for_seconds=0)
+    e = Scripted(rule)
+    labels = {"training_job": "a", "worker": "0"}
+    e.observe("training", 0, {"samples_per_second": [(labels, 10.0)]})
+    assert e.fired
+    e.training = False
+    e.observe("training", 1, {"samples_per_second": [(labels, 10.0)]})
+    assert e.transitions[-1].kind == RESOLVED
+
+
+def test_removing_a_firing_rule_resolves_it():
+    rule = Rule("low", "", (Condition("gpu_utilization", below=0.5),))
+    e = Scripted(rule)
+    e.observe("nvml", 0, {"gpu_utilization": [({"gpu": "0"}, 0.1)]})
+    assert e.fired
+    [resolved] = e.engine.set_rules([])
+    assert resolved.kind == RESOLVED and resolved.why == "rule removed or changed"
+    assert e.active() == {}
 
 
 def test_rules_are_gated_on_an_active_training_job():
     rule = Rule("low", "", (Condition("gpu_utilization", below=0.5),), for_seconds=0)
-    e, fired = engine(rule, training=False)
+    e = Scripted(rule, training=False)
     e.observe("nvml", 0, {"gpu_utilization": [({"gpu": "0"}, 0.0)]})
-    assert fired == []
+    assert e.fired == []
 
 
 def test_and_conditions_join_a_host_signal():
     rule = Rule("cpu_bound", "", (Condition("gpu_utilization", below=0.5),
                                   Condition("cpu_utilization", aggregate="mean", window=5, above=0.9)))
-    e, fired = engine(rule)
+    e = Scripted(rule)
     e.observe("cpu", 0, {"cpu_utilization": [({}, 0.5)]})
     e.observe("nvml", 0, {"gpu_utilization": [({"gpu": "0"}, 0.2)]})
-    assert fired == []
+    assert e.fired == []
     e.observe("cpu", 1, {"cpu_utilization": [({}, 0.99)]})
     e.observe("cpu", 2, {"cpu_utilization": [({}, 0.99)]})
     e.observe("cpu", 3, {"cpu_utilization": [({}, 0.99)]})
     e.observe("nvml", 6, {"gpu_utilization": [({"gpu": "0"}, 0.2)]})
-    assert [f[0] for f in fired] == ["cpu_bound"]
+    assert [f[0] for f in e.fired] == ["cpu_bound"]
 
 
 def test_fluctuation_rule_fires_on_high_p95_with_low_p5():
     rule = Rule("fluct", "", (Condition("gpu_utilization", "p95", 60, above=0.7),
                               Condition("gpu_utilization", "p5", 60, below=0.1)))
-    e, fired = engine(rule)
+    e = Scripted(rule)
     for t in range(60):
         e.observe("nvml", t, {"gpu_utilization": [({"gpu": "0"}, 0.99 if t % 3 else 0.0)]})
-    assert fired and fired[0][0] == "fluct"
-    steady, fired2 = engine(rule)
+    assert e.fired and e.fired[0][0] == "fluct"
+    steady = Scripted(rule)
     for t in range(60):
         steady.observe("nvml", t, {"gpu_utilization": [({"gpu": "0"}, 0.9)]})
-    assert fired2 == []
+    assert steady.fired == []
+
+
+def test_times_are_the_sample_clock_not_the_wall_clock():
+    """The engine only sees the monotonic sample times it is given: a wall-clock step cannot shorten `for`."""
+    rule = Rule("low", "", (Condition("gpu_utilization", below=0.5),), for_seconds=30)
+    e = Scripted(rule)
+    base = 1_000_000.0  # monotonic seconds since boot, unrelated to Unix time
+    for t in range(0, 29):
+        e.observe("nvml", base + t, {"gpu_utilization": [({"gpu": "0"}, 0.1)]})
+    assert e.fired == []
+    e.observe("nvml", base + 30, {"gpu_utilization": [({"gpu": "0"}, 0.1)]})
+    assert e.fired

@@ -1,0 +1,73 @@
+"""The read-only endpoints: /metrics, /healthz and the landing page, and tfprofd's own metrics.
+
+Health is red (503) when any collector is unhealthy: its sampling thread died, a background thread of
+its own died, or its sample is overdue (blocked in a library call); the same collector then reads
+``tfprofd_collector_success 0`` and its last values are not served.
+"""
+
+from __future__ import annotations
+
+import html
+import platform
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+from prometheus_client.core import Metric
+
+from tfprofd.exporter.base import counter, gauge
+
+from .exposition import Exposition
+from .httpserver import HttpServer, Request, Response, Router, json_response
+from .sampler import CollectorRunner, states
+
+
+class Endpoints:
+    def __init__(self, router: Router, version: str, runners: Callable[[], Mapping[str, CollectorRunner]],
+                 live: Callable[[], Iterable[Metric]], servers: Callable[[], Iterable[HttpServer]],
+                 stopping: Callable[[], bool]):
+        self.version = version
+        self.runners = runners
+        self.live = live
+        self.servers = servers
+        self.stopping = stopping
+        self.exposition = Exposition()
+        router.add("GET", "/", self.landing, inline=True)
+        router.add("GET", "/metrics", self.metrics, inline=True)
+        router.add("GET", "/healthz", self.healthz, inline=True)
+
+    def collect(self) -> Iterator[Metric]:
+        statuses = sorted(states(self.runners()).items())
+        yield gauge("build_info", "tfprofd build information; the value is 1.", ["version", "python_version"],
+                    [((self.version, platform.python_version()), 1)])
+        yield gauge("collector_success", "Whether the collector's latest sample succeeded and it is healthy (1) or "
+                    "not (0).", ["collector"], (((name,), float(s.success)) for name, s in statuses))
+        yield gauge("collector_duration_seconds", "How long the collector's latest sample took, in seconds.",
+                    ["collector"], (((name,), s.duration) for name, s in statuses))
+        yield gauge("collector_last_sample_timestamp_seconds", "Unix time of the collector's latest sample.",
+                    ["collector"], (((name,), s.last_sample_wall) for name, s in statuses if s.last_sample_wall))
+        yield counter("http_connections_evicted", "Idle connections closed to make room for new ones, by server.",
+                      ["server"], (((s.name,), s.evicted) for s in self.servers()))
+
+    def metrics(self, request: Request) -> Response:
+        renderings = [snap.rendering for runner in self.runners().values() if (snap := runner.serving())]
+        body, content_type, encoding = self.exposition.body(
+            renderings, [*self.collect(), *self.live()], request.headers.get("accept", ""),
+            request.headers.get("accept-encoding", ""))
+        return Response(200, body, content_type, {"Content-Encoding": encoding} if encoding else {})
+
+    def healthz(self, request: Request) -> Response:
+        collectors = {name: {"success": s.success, "healthy": s.healthy, "problem": s.problem,
+                             "last_sample_timestamp_seconds": s.last_sample_wall}
+                      for name, s in sorted(states(self.runners()).items())}
+        healthy = not self.stopping() and all(c["healthy"] for c in collectors.values())
+        return json_response(200 if healthy else 503, {"status": "ok" if healthy else "unhealthy",
+                                                       "collectors": collectors})
+
+    def landing(self, request: Request) -> Response:
+        body = f"""<!doctype html><html><head><title>tfprofd</title></head><body>
+<h1>tfprofd {html.escape(self.version)}</h1>
+<p>GPU, host and training-throughput metrics for Prometheus, with profile captures when utilization drops.</p>
+<ul><li><a href="/metrics">/metrics</a>: Prometheus metrics</li>
+<li><a href="/healthz">/healthz</a>: health of the sampling threads</li></ul>
+</body></html>
+"""
+        return Response(200, body.encode(), "text/html; charset=utf-8")

@@ -1,0 +1,103 @@
+"""The registry of training jobs: the processes the hook reports, joined with NVML's per-GPU process list.
+
+It answers the two questions the rest of the agent asks: "is a job training here?" (rules gate on it)
+and "which processes do I capture for this job or GPU?" (captures target them). It learns from the
+training and NVML snapshots (it subscribes to both) and never reaches into a collector.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import Metric
+
+from tfprofd.exporter.base import gauge
+from tfprofd.exporter.nvml import GpuProcesses
+from tfprofd.exporter.training import ProcessView, TrainingProcesses
+
+from .errors import NoProfiler, NoTrainingJob
+from .sampler import Snapshot
+
+
+@dataclass(frozen=True)
+class Target:
+    """One training process to profile."""
+
+    job: str
+    worker: str
+    address: str  # the profiler server's host:port, checked by the training collector
+
+
+class JobRegistry:
+    def __init__(self) -> None:
+        self._processes: tuple[ProcessView, ...] = ()
+        self._gpus: tuple[tuple[str, str, frozenset[int]], ...] = ()
+        self._lock = threading.Lock()
+
+    def on_snapshot(self, snapshot: Snapshot) -> None:
+        training = snapshot.fact(TrainingProcesses)
+        gpus = snapshot.fact(GpuProcesses)
+        with self._lock:
+            if training is not None:
+                self._processes = training.processes
+            if gpus is not None:
+                self._gpus = gpus.gpus
+
+    def _job_gpus(self) -> list[tuple[str, str, ProcessView]]:
+        """(gpu, uuid, process) for every reporting process NVML lists on a GPU (joined on pid)."""
+        with self._lock:
+            processes, gpus = self._processes, self._gpus
+        by_pid: dict[int, list[ProcessView]] = {}
+        for p in processes:
+            by_pid.setdefault(p.pid, []).append(p)
+        return [(gpu, uuid, p) for gpu, uuid, pids in gpus for pid in sorted(pids) for p in by_pid.get(pid, ())]
+
+    def is_training(self, labels: dict[str, str]) -> bool:
+        """Whether a job trains where a signal's series is: its job, its GPU, or anywhere on the host."""
+        with self._lock:
+            training = [p for p in self._processes if p.training]
+        if "training_job" in labels:
+            return any(p.job == labels["training_job"] and p.worker == labels.get("worker", p.worker)
+                       for p in training)
+        if "gpu" in labels:
+            mapped = self._job_gpus()
+            if mapped:  # NVML lists reporting processes: only a job on this GPU counts
+                return any(gpu == labels["gpu"] and p.training for gpu, _, p in mapped)
+        return bool(training)
+
+    def targets(self, job: str | None, gpu: str | None) -> list[list[Target]]:
+        """The captures to start for a job, a GPU, or (neither) every job: one list of targets per job.
+
+        Raises NoTrainingJob when no reporting job matches, NoProfiler when none has a profiler server.
+        """
+        with self._lock:
+            processes = list(self._processes)
+        if gpu is not None:
+            on_gpu = {(p.job, p.worker, p.pid) for g, _, p in self._job_gpus() if g == str(gpu)}
+            if on_gpu:
+                processes = [p for p in processes if (p.job, p.worker, p.pid) in on_gpu]
+        if job is not None:
+            processes = [p for p in processes if p.job == job]
+            if not processes:
+                raise NoTrainingJob(f"no training job {job!r} is reporting to this agent")
+        if not processes:
+            raise NoTrainingJob("no training job is reporting to this agent")
+        groups: dict[str, dict[str, Target]] = {}
+        for p in sorted(processes, key=lambda p: (p.job, p.worker, p.pid)):
+            if p.profiler:
+                groups.setdefault(p.job, {})[p.profiler] = Target(p.job, p.worker, p.profiler)
+        if not groups:
+            raise NoProfiler("the training job has no profiler server the agent may use (hook started with "
+                             "profiler=False, or its reports were not trusted)")
+        return [list(g.values()) for _, g in sorted(groups.items())]
+
+    def jobs(self) -> set[str]:
+        with self._lock:
+            return {p.job for p in self._processes}
+
+    def collect(self) -> Iterator[Metric]:
+        rows = sorted({(gpu, uuid, p.job, p.worker) for gpu, uuid, p in self._job_gpus()})
+        yield gauge("gpu_job_info", "Which training job runs on which GPU (by NVML process list); the value is 1.",
+                    ["gpu", "uuid", "training_job", "worker"], ((row, 1) for row in rows))

@@ -1,0 +1,1 @@
+"""Protobuf messages tfprofd speaks: TensorFlow profiler captures, the kubelet PodResources API."""
