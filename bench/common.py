@@ -52,7 +52,8 @@ def start_agent(tmp: Path, gpus: int, interval: str = "1s", extra: list[str] | N
     proc = subprocess.Popen(
         [sys.executable, "-m", "tfprofd.daemon", "run", "--listen", f"127.0.0.1:{port}",
          "--api.listen", f"127.0.0.1:{free_port()}", "--hook.listen", f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}",
-         "--state-dir", str(tmp / "state"), "--interval", interval, *(extra or [])],
+         "--hook.socket", str(tmp / "hook.sock"), "--state-dir", str(tmp / "state"), "--interval", interval,
+         *(extra or [])],
         env={**os.environ, **state.env(), **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return serving(proc, port)
 

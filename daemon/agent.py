@@ -3,11 +3,14 @@ runs them: reload on SIGHUP, stop on SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import os
 import queue
 import signal
 import stat
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +35,7 @@ from .rules import FIRING, Engine, log_transition
 from .sampler import CollectorRunner, Snapshot
 
 log = logging.getLogger("tfprofd.agent")
+M_ARENA_MAX = -8  # mallopt parameter (malloc.h)
 
 
 class StartError(Exception):
@@ -61,6 +65,9 @@ class Agent:
 
     def start(self) -> None:
         logs.setup(self.cfg.core.log_level)
+        # A scrape waits for the GIL while a sampling thread runs Python; at CPython's default 5 ms
+        # switch interval that wait dominated the p99 of /metrics. 0.5 ms bounds it.
+        sys.setswitchinterval(0.0005)
         psutil.PROCFS_PATH = self.cfg.core.procfs_path
         state_dir = prepare_state_dir(Path(self.cfg.core.state_dir))
         token = Token.resolve(self.cfg.api.token, self.cfg.api.token_file, state_dir)
@@ -69,7 +76,7 @@ class Agent:
         self.captures = CaptureService(lambda: self.cfg.captures, store, policy, self.jobs, self.env.clock)
         metrics, api = Router(), Router()
         self.endpoints = Endpoints(metrics, __version__, lambda: self.runners, self._live, lambda: self.servers,
-                                   self._stopping.is_set)
+                                   self._stopping.is_set, lambda: self.cfg.core.interval)
         ControlApi(api, self.captures, policy, lambda labels: alert_is_for_host(
             labels, self.cfg.alerts.host_label, self.cfg.alerts.host_value))
         self.servers.append(HttpServer("metrics", self.cfg.core.listen, metrics, max_body=lambda: 4096))
@@ -83,6 +90,7 @@ class Agent:
         deadline = self.env.clock.monotonic() + 2.0  # the first scrape has data, unless a collector hangs
         for runner in self.runners.values():
             runner.first_sample.wait(max(0.0, deadline - self.env.clock.monotonic()))
+        release_startup_memory()
         self.captures.enforce_retention()
         log.info("tfprofd %s serving metrics on %s:%d, control API on %s:%d, hook reports on %s", __version__,
                  *self.servers[0].address, *self.servers[1].address, self._hook_where())
@@ -113,13 +121,14 @@ class Agent:
                 collector = self.collectors[name] = cls(settings, self.env)
                 runner = self.runners[name] = CollectorRunner(
                     collector, lambda: self.cfg.core.interval, self.env.clock,
-                    [self.jobs.on_snapshot, self._on_snapshot, self.endpoints.exposition.on_snapshot])
+                    [self.jobs.on_snapshot, self._on_snapshot, self.endpoints.after_sample])
                 runner.start()
             elif settings.enabled:
                 self.collectors[name].configure(settings)
             elif name in self.collectors:
                 self.runners.pop(name).stop()
                 close_soon(self.collectors.pop(name))
+                self.endpoints.exposition.forget(name)
                 log.info("collector %s disabled", name)
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:
@@ -188,6 +197,24 @@ class Agent:
         for closer in closers:
             closer.join(0.5 / max(len(closers), 1))
         log.info("tfprofd stopped")
+
+
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """glibc gives each new thread its own malloc arena (up to 8 per core); a dozen mostly idle threads
+    then hold ~1 MB they never use. Two arenas serve the agent (call before threads start)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, arenas)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def release_startup_memory() -> None:
+    """Give the memory that start-up (imports, config parsing) freed back to the system."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def close_soon(collector: Collector) -> threading.Thread:

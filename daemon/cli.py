@@ -68,7 +68,7 @@ def _exit(code: int) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .agent import Agent, StartError
+    from .agent import Agent, StartError, limit_malloc_arenas
     from .api import TokenError
 
     flags = _option_flags(args)
@@ -83,12 +83,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return 2
+    limit_malloc_arenas()
     agent = Agent(cfg, reload_source=load)
     agent.install_signal_handlers()
     try:
         agent.start()
     except (StartError, TokenError, OSError) as exc:
-        print(f"tfprofd: cannot start: {exc}", file=sys.stderr)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"tfprofd: cannot start: {reason}", file=sys.stderr)
         agent.stop()
         _exit(1)
     agent.wait()

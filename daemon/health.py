@@ -17,14 +17,17 @@ from tfprofd.exporter.base import counter, gauge
 
 from .exposition import Exposition
 from .httpserver import HttpServer, Request, Response, Router, json_response
-from .sampler import CollectorRunner, states
+from .sampler import CollectorRunner, Snapshot, states
+
+AGENT_PART = " agent"  # the exposition part of the agent's own families (no collector has this name)
 
 
 class Endpoints:
     def __init__(self, router: Router, version: str, runners: Callable[[], Mapping[str, CollectorRunner]],
                  live: Callable[[], Iterable[Metric]], servers: Callable[[], Iterable[HttpServer]],
-                 stopping: Callable[[], bool]):
+                 stopping: Callable[[], bool], interval: Callable[[], float]):
         self.version = version
+        self.interval = interval
         self.runners = runners
         self.live = live
         self.servers = servers
@@ -47,11 +50,28 @@ class Endpoints:
         yield counter("http_connections_evicted", "Idle connections closed to make room for new ones, by server.",
                       ["server"], (((s.name,), s.evicted) for s in self.servers()))
 
+    def _agent_families(self) -> list[Metric]:
+        return [*self.collect(), *self.live()]
+
+    def after_sample(self, snapshot: Snapshot) -> None:
+        """Subscribed to every runner: render the collector, and the agent's own state (rules, captures,
+        health) that its sample changed, ahead of a scrape that is due."""
+        interval = self.interval()
+        self.exposition.after_sample(snapshot.collector, snapshot.families, interval)
+        self.exposition.after_sample(AGENT_PART, self._agent_families, interval)
+
+    def _parts(self, fmt: str) -> list[bytes]:
+        max_age = 2 * self.interval() + 0.5
+        parts = [self.exposition.part(name, fmt, snap.families, max_age)
+                 for name, runner in sorted(self.runners().items()) if (snap := runner.serving())]
+        # The agent's own state at most one interval old; unhealthy collectors show in it at once anyway,
+        # since the healthy ones keep sampling and rendering it.
+        parts.append(self.exposition.part(AGENT_PART, fmt, self._agent_families, max_age))
+        return parts
+
     def metrics(self, request: Request) -> Response:
-        renderings = [snap.rendering for runner in self.runners().values() if (snap := runner.serving())]
         body, content_type, encoding = self.exposition.body(
-            renderings, [*self.collect(), *self.live()], request.headers.get("accept", ""),
-            request.headers.get("accept-encoding", ""))
+            self._parts, request.headers.get("accept", ""), request.headers.get("accept-encoding", ""))
         return Response(200, body, content_type, {"Content-Encoding": encoding} if encoding else {})
 
     def healthz(self, request: Request) -> Response:

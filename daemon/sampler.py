@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -19,25 +19,26 @@ from prometheus_client.core import Metric
 
 from tfprofd.exporter.base import Clock, Collector, Signals
 
-from .exposition import Rendering
-
 log = logging.getLogger("tfprofd.sampler")
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What one sample of one collector produced; never changed after it is published."""
+    """What one sample of one collector produced; never changed after it is published.
+
+    ``families`` builds the collector's metric families from its latest sample when called: they are
+    made only when a scrape is due to read them (see exposition.py), not on every sample.
+    """
 
     collector: str
     wall_time: float
     monotonic: float
     success: bool
     duration: float
-    families: tuple[Metric, ...]
     signals: Signals
     facts: tuple[Any, ...]
-    rendering: Rendering = field(compare=False, repr=False)
+    families: Callable[[], Iterable[Metric]] = field(compare=False, repr=False)
 
     def fact(self, kind: type[T]) -> T | None:
         return next((f for f in self.facts if isinstance(f, kind)), None)
@@ -69,6 +70,7 @@ class CollectorRunner:
         self.subscribers = list(subscribers)
         self.latest: Snapshot | None = None
         self._sampling_since: float | None = None  # monotonic start of the sample in progress
+        self._last_done = 0.0  # monotonic end of the latest sample
         self._died: str | None = None
         self._stop = threading.Event()
         self.first_sample = threading.Event()
@@ -96,8 +98,8 @@ class CollectorRunner:
         since = self._sampling_since
         if problem is None and since is not None and now - since > self.stale_after():
             problem = f"sample in progress for {now - since:.0f}s (blocked in a library call?)"
-        if problem is None and snap is not None and now - snap.monotonic > self.stale_after() and since is None:
-            problem = f"no sample for {now - snap.monotonic:.0f}s"
+        if problem is None and snap is not None and now - self._last_done > self.stale_after() and since is None:
+            problem = f"no sample for {now - self._last_done:.0f}s"
         if problem is None and snap is None:
             problem = "no sample yet"
         return RunnerState(success=bool(snap and snap.success) and problem is None,
@@ -115,23 +117,24 @@ class CollectorRunner:
         error = None
         try:
             ok = bool(collector.sample())
-            families, signals, facts = tuple(collector.collect()), collector.rule_signals(), collector.facts()
+            signals, facts = collector.rule_signals(), collector.facts()
         except Exception as exc:  # a collector's failure must never stop the loop
             ok, error = False, f"{type(exc).__name__}: {exc}"
             collector.clear()
-            families, signals, facts = (), {}, ()
+            signals, facts = {}, ()
         finally:
+            self._last_done = self.clock.monotonic()
             self._sampling_since = None
-        snapshot = Snapshot(self.name, started_wall, started, ok, self.clock.monotonic() - started, families,
-                            signals, facts, Rendering(families))
+        snapshot = Snapshot(self.name, started_wall, started, ok, self.clock.monotonic() - started, signals, facts,
+                            collector.collect)
         if error and not self._failing_logged:
             log.warning("collector %s failed: %s", self.name, error)
             self._failing_logged = True
         elif ok and self._failing_logged:
             log.info("collector %s recovered", self.name)
             self._failing_logged = False
-        self.latest = snapshot
         self._publish(snapshot)
+        self.latest = snapshot
         self.first_sample.set()
         return snapshot
 

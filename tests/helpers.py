@@ -273,18 +273,21 @@ class Server:
 
 
 def start_prometheus(tmp: Path, scrape_port: int, rule_files: list[Path] | None = None,
-                     alertmanager_port: int | None = None) -> tuple[Server, int]:
-    """Debian's prometheus on a free loopback port, scraping the agent every second."""
+                     alertmanager_port: int | None = None,
+                     extra_targets: dict[str, int] | None = None) -> tuple[Server, int]:
+    """Debian's prometheus on a free loopback port, scraping the agent (job tfprofd) every second."""
     port = free_port()
     alerting = (f"alerting: {{alertmanagers: [{{static_configs: [{{targets: ['127.0.0.1:{alertmanager_port}']}}]}}]}}"
                 if alertmanager_port else "")
+    jobs = {"tfprofd": scrape_port, **(extra_targets or {})}
+    scrape_configs = "".join(f"""
+  - job_name: {job}
+    static_configs: [{{targets: ["127.0.0.1:{target}"]}}]""" for job, target in jobs.items())
     (tmp / "prometheus.yml").write_text(f"""
 global: {{scrape_interval: 1s, evaluation_interval: 1s}}
 rule_files: {json.dumps([str(f) for f in rule_files or []])}
 {alerting}
-scrape_configs:
-  - job_name: tfprofd
-    static_configs: [{{targets: ["127.0.0.1:{scrape_port}"]}}]
+scrape_configs:{scrape_configs}
 """)
     server = Server(["prometheus", f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'prom'}",
                      f"--web.listen-address=127.0.0.1:{port}"],

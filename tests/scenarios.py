@@ -27,6 +27,8 @@ SCENARIOS = (
     Scenario("heavy_preprocessing", "overloaded preprocessing: a heavy op in map", ("--heavy-map", "160"), "input"),
     Scenario("post_processing", "heavy post-processing in a callback", ("--post-ms", "40"), "host"),
     Scenario("small_batch", "small batch: batch size 2", ("--batch-size", "2"), "small_batch"),
+    Scenario("small_batch_narrow", "small batch: batch size 2", ("--batch-size", "2", "--width", "256"), "small_batch"),
+    Scenario("batch1", "small batch: batch size 1", ("--batch-size", "1"), "small_batch"),
 )
 
 

@@ -8,7 +8,7 @@ import http.client
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import metric_value
+from helpers import metric_value, wait_for
 
 
 def get(agent, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
@@ -51,3 +51,33 @@ def test_a_failing_part_leaves_the_rest_of_the_scrape(caplog):
     assert "tfprofd_rule_active" not in {f.name for f in families}
     agent._live()
     assert caplog.text.count("the rules metrics failed") == 1
+
+
+def _tricky_families():
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
+
+    gauge = GaugeMetricFamily("tfprofd_test_ratio", 'Help with "quotes", a \\ backslash\nand a newline.',
+                              labels=["a", "b"])
+    for value in (0, 1, -1, 0.5, 1e-9, 123456789012.0, 2**53, float("inf"), float("-inf"), float("nan"), 3.14e21):
+        gauge.add_metric(['x"y\\z\nw', "ünïcode ✓"], value)
+    counter = CounterMetricFamily("tfprofd_test", "A counter.", labels=["z", "a"])
+    counter.add_metric(["1", "2"], 7)
+    histogram = HistogramMetricFamily("tfprofd_test_seconds", "A histogram.", labels=["job"])
+    histogram.add_metric(["j"], [("0.001", 1), ("1.0", 5), ("+Inf", 9)], 12.5)
+    info = InfoMetricFamily("tfprofd_test_build", "Falls back to the library.", value={"version": "1"})
+    return [gauge, counter, histogram, info, GaugeMetricFamily("tfprofd_empty", "No samples.")]
+
+
+def test_the_fast_renderer_writes_what_prometheus_client_writes(agents, gpus):
+    """render() must equal prometheus_client's generate_latest for every family the agent exports."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tfprofd.daemon.exposition import OPENMETRICS, TEXT, render, render_library
+
+    agent = agents(env=gpus.env())
+    wait_for(lambda: metric_value(agent.scrape(), "tfprofd_rule_active", rule="low_gpu_utilization", gpu="0")
+             is not None, 10, message="every collector sampled")
+    exported = list(text_string_to_metric_families(agent.scrape()))
+    for families in (exported, _tricky_families()):
+        for fmt in (TEXT, OPENMETRICS):
+            assert render(families, fmt) == render_library(families, fmt), fmt

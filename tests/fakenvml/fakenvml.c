@@ -212,8 +212,22 @@ static int is_unsupported(const jnode *gpu, const char *field) {
 
 static int handle_index(void *device) { return (int)((uintptr_t)device - 0x1000); }
 
+/* Sleeps for the GPU's "delay_ms" (a hung driver call), without holding the lock. */
+static void delay(void *device) {
+    pthread_mutex_lock(&lock);
+    refresh();
+    const jnode *gpu = state_present ? jat(jget(state, "gpus"), handle_index(device)) : NULL;
+    double ms = gpu ? num_or(gpu, "delay_ms", 0) : 0;
+    pthread_mutex_unlock(&lock);
+    if (ms > 0) {
+        struct timespec ts = {(time_t)(ms / 1000), (long)((ms - 1000 * (long)(ms / 1000)) * 1e6)};
+        nanosleep(&ts, NULL);
+    }
+}
+
 /* Locks, refreshes and resolves the device; on success returns OK with the lock held. */
 static nvmlReturn_t enter(void *device, const char *field, const jnode **gpu_out) {
+    delay(device);
     pthread_mutex_lock(&lock);
     if (!initialized) { pthread_mutex_unlock(&lock); return ERR_UNINITIALIZED; }
     refresh();

@@ -1,0 +1,258 @@
+"""The core's parts on their own: the capture policy, the capture service, the sampling runner."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from tfprofd.daemon.captures import CaptureService
+from tfprofd.daemon.config import CaptureSettings
+from tfprofd.daemon.errors import BudgetSpent, CaptureBusy, CoolingDown, StorageError
+from tfprofd.daemon.jobs import JobRegistry, Target
+from tfprofd.daemon.policy import CapturePolicy
+from tfprofd.daemon.records import RecordStore
+from tfprofd.daemon.sampler import CollectorRunner
+from tfprofd.daemon.workers import Outcome
+from tfprofd.exporter.base import Clock, Collector, Environment
+
+from helpers import wait_for
+
+
+class FakeClock(Clock):
+    """Wall time and monotonic time that a test moves separately (an NTP step moves only wall time)."""
+
+    def __init__(self) -> None:
+        self.wall, self.mono = 1_800_000_000.0, 5_000.0
+
+    def time(self) -> float:
+        return self.wall
+
+    def monotonic(self) -> float:
+        return self.mono
+
+
+GPU1 = [Target("a", "0", "127.0.0.1:1111")]
+GPU2 = [Target("b", "0", "127.0.0.1:2222")]
+
+
+def test_the_hourly_budget_counts_on_monotonic_time_not_the_wall_clock(tmp_path):
+    clock = FakeClock()
+    policy = CapturePolicy(clock, tmp_path / "alerts.json")
+    policy.release(policy.admit(GPU1, max_per_hour=2))
+    policy.release(policy.admit(GPU1, max_per_hour=2))
+    clock.wall += 7200  # the wall clock jumps two hours ahead: the hour is not over
+    with pytest.raises(BudgetSpent):
+        policy.admit(GPU1, max_per_hour=2)
+    clock.mono += 3600
+    policy.release(policy.admit(GPU1, max_per_hour=2))
+
+
+def test_cooldown_is_per_rule_and_target(tmp_path):
+    clock = FakeClock()
+    policy = CapturePolicy(clock, tmp_path / "alerts.json")
+    policy.release(policy.admit(GPU1, 100, rule="low_gpu_utilization", cooldown=900))
+    policy.release(policy.admit(GPU2, 100, rule="low_gpu_utilization", cooldown=900))  # another GPU's job
+    policy.release(policy.admit(GPU1, 100, rule="throughput_drop", cooldown=900))  # another rule
+    with pytest.raises(CoolingDown):
+        policy.admit(GPU1, 100, rule="low_gpu_utilization", cooldown=900)
+    clock.wall -= 3600  # a wall-clock step back does not extend it either
+    clock.mono += 901
+    policy.release(policy.admit(GPU1, 100, rule="low_gpu_utilization", cooldown=900))
+
+
+def test_one_capture_per_process_at_a_time(tmp_path):
+    policy = CapturePolicy(FakeClock(), tmp_path / "alerts.json")
+    admission = policy.admit(GPU1, 100)
+    with pytest.raises(CaptureBusy):
+        policy.admit(GPU1 + GPU2, 100)
+    policy.release(admission)
+    policy.release(policy.admit(GPU1 + GPU2, 100))
+
+
+@pytest.mark.parametrize("content", [b"null", b"123", b"[1]", b"{not json", b'{"a": "yesterday"}', b"\xff\xfe"])
+def test_a_corrupt_alert_ledger_is_set_aside_with_the_reason(tmp_path, caplog, content):
+    path = tmp_path / "alerts.json"
+    path.write_bytes(content)
+    policy = CapturePolicy(FakeClock(), path)
+    assert not policy.alert_handled("x|y")
+    assert not path.exists() and len(list(tmp_path.glob("alerts.json.bad-*"))) == 1
+    assert str(path) in caplog.text and "set aside" in caplog.text
+    policy.remember_alert("x|y")
+    assert CapturePolicy(FakeClock(), path).alert_handled("x|y")
+
+
+class Registry(JobRegistry):
+    """A job registry that knows one job, as if the hook had reported it."""
+
+    def targets(self, job, gpu):
+        return [GPU1]
+
+    def jobs(self):
+        return {"a"}
+
+
+def service(tmp_path, **settings) -> CaptureService:
+    store = RecordStore(tmp_path)
+    policy = CapturePolicy(FakeClock(), tmp_path / "alerts.json")
+    return CaptureService(lambda: CaptureSettings(**settings), store, policy, Registry(), Clock())
+
+
+def test_a_capture_whose_worker_raises_ends_failed_and_frees_its_process(tmp_path, monkeypatch):
+    captures = service(tmp_path)
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("the worker could not even start")
+
+    monkeypatch.setattr(captures.capture_workers, "run", explode)
+    [record] = captures.request("manual")
+    wait_for(lambda: captures.get(record.id).status not in ("running", "analyzing"), 10, message="the record to end")
+    record = captures.get(record.id)
+    assert (record.status, record.reason) == ("failed", "error") and "could not even start" in record.detail
+    assert captures.policy.busy() == frozenset()
+    saved = json.loads((tmp_path / "records" / f"{record.id}.json").read_text())
+    assert saved["status"] == "failed"
+    running = next(f for f in captures.collect() if f.name == "tfprofd_captures_running")
+    assert running.samples[0].value == 0
+
+
+def test_a_failed_analysis_ends_the_record_and_a_good_one_finishes_it(tmp_path, monkeypatch):
+    captures = service(tmp_path)
+    monkeypatch.setattr(captures.capture_workers, "run",
+                        lambda *a, **k: Outcome("ok", {"status": "done", "files": ["x.xplane.pb"], "rpc_sent_at": 1.0}))
+    monkeypatch.setattr(captures.analysis_workers, "run", lambda *a, **k: Outcome("timeout", None, "killed"))
+    [record] = captures.request("manual")
+    wait_for(lambda: captures.get(record.id).status not in ("running", "analyzing"), 10, message="the record to end")
+    assert (captures.get(record.id).status, captures.get(record.id).reason) == ("analysis_failed", "analysis_error")
+    assert captures.policy.busy() == frozenset()
+
+
+def test_no_space_for_the_record_is_a_storage_error_that_frees_the_process(tmp_path, monkeypatch):
+    captures = service(tmp_path)
+
+    def full(record):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(captures.store, "save", full)
+    with pytest.raises(StorageError, match="No space left"):
+        captures.request("manual")
+    assert captures.policy.busy() == frozenset()
+    monkeypatch.undo()
+    assert captures.request("manual")  # the hourly budget was refunded, the process is free
+
+
+def test_no_capture_code_ever_sets_a_setgid_bit(tmp_path, monkeypatch):
+    """systemd's RestrictSUIDSGID refuses chmod with S_ISGID: the agent must never need one."""
+    calls = []
+    real_chmod = os.chmod
+
+    def guarded(path, mode, *args, **kwargs):
+        calls.append(mode)
+        if mode & 0o6000:
+            raise PermissionError(errno.EPERM, "Operation not permitted (RestrictSUIDSGID)")
+        return real_chmod(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "chmod", guarded)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o750)
+    real_chmod(state, 0o2750)  # the unit's StateDirectoryMode: setgid, set by systemd, not by the agent
+    captures = service(state, mode="server")
+    captures.capture_workers.run = lambda *a, **k: Outcome("ok", {"status": "failed", "reason": "no_server"})
+    [record] = captures.request("manual")
+    directory = Path(record.directory)
+    assert directory.stat().st_mode & 0o7777 == 0o2770  # group-writable for the training user, group inherited
+    assert not any(mode & 0o6000 for mode in calls)
+
+
+class Flaky(Collector):
+    name = "flaky"
+    section = "collectors.flaky"
+
+    def __init__(self, settings, env):
+        super().__init__(settings, env)
+        self.samples = 0
+
+    def sample(self):
+        self.samples += 1
+        return True
+
+    def collect(self):
+        return iter(())
+
+
+def test_a_failing_subscriber_is_isolated_and_sampling_goes_on(caplog):
+    collector = Flaky(None, Environment())
+    seen = []
+
+    def full_disk(snapshot):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    runner = CollectorRunner(collector, lambda: 0.01, Clock(), [full_disk, seen.append])
+    runner.start()
+    try:
+        wait_for(lambda: len(seen) >= 5, 10, message="sampling to go on past the failing subscriber")
+        assert runner.state().healthy and runner.state().success
+        assert caplog.text.count("failed on a snapshot") == 1  # the same failure is logged once
+    finally:
+        runner.stop()
+
+
+def test_a_dead_sampling_thread_turns_the_collector_unhealthy(caplog):
+    class Dying(Flaky):
+        def sample(self):
+            super().sample()
+            if self.samples >= 3:
+                raise SystemExit("gone")  # not an Exception: escapes the per-sample guard
+            return True
+
+    runner = CollectorRunner(Dying(None, Environment()), lambda: 0.01, Clock())
+    runner.start()
+    wait_for(lambda: not runner.state().healthy, 10, message="the runner to notice its thread died")
+    state = runner.state()
+    assert not state.success and "sampling thread died: SystemExit" in state.problem
+    assert runner.serving() is None
+    assert "sampling thread died" in caplog.text
+
+
+def test_a_collector_with_a_dead_background_thread_is_unhealthy():
+    class Listener(Flaky):
+        problem_text = None
+
+        def problem(self):
+            return self.problem_text
+
+    collector = Listener(None, Environment())
+    runner = CollectorRunner(collector, lambda: 0.01, Clock())
+    runner.sample_once()
+    assert runner.state().healthy
+    collector.problem_text = "hook listener died: RecursionError"
+    assert not runner.state().healthy and not runner.state().success and runner.serving() is None
+
+
+def test_an_overdue_sample_is_unhealthy_until_it_returns():
+    release = threading.Event()
+
+    class Hung(Flaky):
+        def sample(self):
+            if self.samples:
+                release.wait(30)
+            return super().sample()
+
+    clock = FakeClock()
+    runner = CollectorRunner(Hung(None, Environment()), lambda: 1.0, clock)
+    runner.sample_once()
+    thread = threading.Thread(target=runner.sample_once, daemon=True)
+    thread.start()
+    wait_for(lambda: runner._sampling_since is not None, 5, message="the sample to block")
+    assert runner.state().healthy
+    clock.mono += runner.stale_after() + 1
+    state = runner.state()
+    assert not state.healthy and not state.success and "in progress" in state.problem
+    assert runner.serving() is None
+    release.set()
+    thread.join(5)
+    assert runner.state().healthy
