@@ -24,9 +24,10 @@ from tfprofd.exporter.registry import COLLECTORS, signal_catalog
 from . import __version__, logs
 from . import config as configmod
 from .api import ControlApi, Token, alert_is_for_host
+from .baselines import Baselines
 from .captures import CaptureService
 from .errors import DomainError
-from .health import Endpoints
+from .health import AGENT_PART, Endpoints
 from .httpserver import EventLoop, HttpServer, Router
 from .jobs import JobRegistry
 from .policy import CapturePolicy
@@ -74,6 +75,7 @@ class Agent:
         store = RecordStore(state_dir)
         policy = CapturePolicy(self.env.clock, state_dir / "alerts_seen.json")
         self.captures = CaptureService(lambda: self.cfg.captures, store, policy, self.jobs, self.env.clock)
+        self.baselines = Baselines(lambda: self.cfg.captures, self.captures, self.jobs, self.engine, self.env.clock)
         metrics, api = Router(), Router()
         self.endpoints = Endpoints(metrics, __version__, lambda: self.runners, self._live, lambda: self.servers,
                                    self._stopping.is_set, lambda: self.cfg.core.interval)
@@ -82,6 +84,7 @@ class Agent:
         self.servers.append(HttpServer("metrics", self.cfg.core.listen, metrics, max_body=lambda: 4096))
         self.servers.append(HttpServer("api", self.cfg.api.listen, api, max_body=lambda: self.cfg.api.max_body_bytes,
                                        authenticate=token.authenticate))
+        self.captures.on_change = lambda: self.endpoints.exposition.forget(AGENT_PART)
         with self._lock:
             self._apply()
         self.loop.start()
@@ -121,7 +124,7 @@ class Agent:
                 collector = self.collectors[name] = cls(settings, self.env)
                 runner = self.runners[name] = CollectorRunner(
                     collector, lambda: self.cfg.core.interval, self.env.clock,
-                    [self.jobs.on_snapshot, self._on_snapshot, self.endpoints.after_sample])
+                    [self.jobs.on_snapshot, self._on_snapshot, self.baselines.on_snapshot, self.endpoints.after_sample])
                 runner.start()
             elif settings.enabled:
                 self.collectors[name].configure(settings)

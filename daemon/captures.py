@@ -19,6 +19,7 @@ from prometheus_client.core import Metric
 
 from tfprofd.exporter.base import Clock, counter, gauge
 
+from .analysis import compare  # stdlib-only at import: xprof loads in the analysis worker alone
 from .config import CaptureSettings
 from .errors import AmbiguousJob, DomainError, StorageError
 from .jobs import JobRegistry, Target
@@ -45,6 +46,7 @@ class CaptureService:
         self._finished: dict[tuple[str, str], int] = {}
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
+        self.on_change: Callable[[], None] = lambda: None  # a record started or ended: its metrics changed
         for record in store.load():
             if record.status not in FINISHED:
                 record.status, record.reason = "failed", "agent_restarted"
@@ -84,12 +86,14 @@ class CaptureService:
               options: dict[str, int] | None = None, rule: str | None = None, alert: str | None = None,
               gpu: str | None = None, cooldown: float = 0.0) -> CaptureRecord:
         s = self.settings()
-        admission = self.policy.admit(targets, s.max_per_hour, rule=rule, cooldown=cooldown)
+        budget = None if trigger == "baseline" else s.max_per_hour  # baselines keep their own schedule
+        admission = self.policy.admit(targets, budget, rule=rule, cooldown=cooldown)
         now = self.clock.time()
+        rate, batch = self.jobs.throughput(targets[0].job)
         record = CaptureRecord(id=new_id(now), trigger=trigger, job=targets[0].job,
                                targets=[asdict(t) for t in targets], requested_at=now,
                                duration_ms=duration_ms or int(s.duration * 1000), mode=s.mode, rule=rule, alert=alert,
-                               gpu=gpu)
+                               gpu=gpu, context={"samples_per_second": rate, "batch_size": batch})
         try:
             directory = self.store.create_capture_dir(record.id, s.dir_mode if s.mode == "server" else AGENT_MODE_DIR)
             record.directory = str(directory)
@@ -99,6 +103,7 @@ class CaptureService:
             raise StorageError(f"cannot create the capture's directory or record: {exc}") from None
         with self._lock:
             self._records[record.id] = record
+        self.on_change()
         log.info("capture %s started: trigger=%s job=%s targets=%s duration=%dms%s", record.id, trigger, record.job,
                  ",".join(t.address for t in targets), record.duration_ms, f" rule={rule}" if rule else "")
         request = {"mode": s.mode, "targets": [t.address for t in targets], "duration_ms": record.duration_ms,
@@ -135,6 +140,7 @@ class CaptureService:
                 self._finished[key] = self._finished.get(key, 0) + 1
                 self._threads.discard(threading.current_thread())
             self._save(record)
+            self.on_change()
             self.enforce_retention()
 
     def _capture(self, record: CaptureRecord, request: dict[str, Any], admission: Admission) -> None:
@@ -158,8 +164,8 @@ class CaptureService:
     def _analyze(self, record: CaptureRecord) -> None:
         """Analyse the trace in a worker process (xprof needs 200-450 MB the agent must not hold)."""
         timeout = self.settings().analysis_timeout
-        outcome = self.analysis_workers.run("tfprofd.daemon.analysis", [record.directory, "--json", "--duration",
-                                                                        str(record.duration_ms / 1000)], "", timeout)
+        outcome = self.analysis_workers.run("tfprofd.daemon.analysis", [record.directory, "--json", "--viewer-cache"],
+                                            "", timeout)
         result = outcome.result
         if result is None or "error" in result:
             detail = (result or {}).get("error") or {"timeout": f"analysis did not finish within {timeout:.0f}s",
@@ -169,6 +175,13 @@ class CaptureService:
             record.status, record.reason, record.detail = "analysis_failed", reason, detail
             log.warning("capture %s: analysis failed: %s (raw files kept in %s)", record.id, detail, record.directory)
             return
+        base = self.baseline_of(record)
+        if base is not None:
+            comparison = compare(base.analysis, result, _context(base, record, "samples_per_second"),
+                                 _context(base, record, "batch_size"))
+            if comparison is not None:
+                result["comparison"] = {**comparison, "baseline_id": base.id}
+                result["summary"] = f"{comparison['summary']} ({result['summary']})"
         record.status, record.analysis = "done", result
         log.info("capture %s analysed: job=%s %s", record.id, record.job, result.get("summary"))
 
@@ -188,13 +201,37 @@ class CaptureService:
         with self._lock:
             return self._records.get(capture_id)
 
+    def _baselines(self, job: str, analysed: bool) -> list[CaptureRecord]:
+        """The job's baseline captures, newest first (with an analysis only, if ``analysed``)."""
+        with self._lock:
+            return self._baselines_locked(job, analysed)
+
+    def _baselines_locked(self, job: str, analysed: bool = True) -> list[CaptureRecord]:
+        records = [r for r in self._records.values() if r.job == job and r.trigger == "baseline"
+                   and (not analysed or (r.status == "done" and r.analysis and r.analysis.get("steps")))]
+        return sorted(records, key=lambda r: -r.requested_at)
+
+    def baseline_of(self, record: CaptureRecord) -> CaptureRecord | None:
+        """The newest analysed baseline of the record's job taken before it (none for a baseline itself)."""
+        if record.trigger == "baseline":
+            return None
+        return next((b for b in self._baselines(record.job, analysed=True) if b.requested_at < record.requested_at),
+                    None)
+
+    def last_baseline_time(self, job: str) -> float | None:
+        """When the job's newest baseline capture was asked for (Unix time), analysed or not."""
+        newest = self._baselines(job, analysed=False)
+        return newest[0].requested_at if newest else None
+
     # ---- retention ----
 
     def enforce_retention(self) -> None:
         """Delete the oldest finished captures beyond captures.keep or captures.max_bytes."""
         s = self.settings()
         with self._lock:
-            finished = sorted((r for r in self._records.values() if r.status in FINISHED),
+            kept = {b[0].id for job in {r.job for r in self._records.values()}
+                    if (b := self._baselines_locked(job))}  # each job's newest baseline stays: later captures compare
+            finished = sorted((r for r in self._records.values() if r.status in FINISHED and r.id not in kept),
                               key=lambda r: r.requested_at)
         total = sum(r.bytes for r in finished)
         while finished and (len(finished) > s.keep or total > s.max_bytes):
@@ -250,3 +287,21 @@ class CaptureService:
                                                      for job, r in analysed))
         yield gauge("capture_last_timestamp_seconds", "Unix time of the latest capture of the training job.",
                     ["training_job"], (([job], ts) for job, ts in sorted(last.items())))
+        rows = []
+        for job, r in analysed:
+            pair = [("latest", r)]
+            base = self.baseline_of(r) if r.trigger != "baseline" else r
+            if base is not None:
+                pair.append(("baseline", base))
+            for which, rec in pair:
+                for part, ms in (rec.analysis.get("breakdown_ms") or {}).items():
+                    if isinstance(ms, (int, float)):
+                        rows.append(([job, which, part], ms / 1000))
+        yield gauge("capture_step_breakdown_seconds", "Mean time per step in each part of the step (waiting for input, "
+                    "device compute, ...) in the job's latest analysed capture and in its baseline.",
+                    ["training_job", "capture", "part"], rows)
+
+
+def _context(base: CaptureRecord, record: CaptureRecord, key: str) -> tuple[float | None, float | None]:
+    before, after = ((r.context or {}).get(key) for r in (base, record))
+    return before, after

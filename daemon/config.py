@@ -91,6 +91,15 @@ class CaptureSettings:
     analyze: bool = option(True, opt.parse_bool, "Analyse each capture (in a worker process) after it finishes.")
     analysis_timeout: float = option(180.0, opt.parse_duration, "An analysis worker is killed after this long.",
                                      minimum=10, maximum=3600)
+    baseline: bool = option(True, opt.parse_bool, "Take a short baseline capture of each job once it trains steadily, "
+                            "and compare every later capture of the job with it.")
+    baseline_after: float = option(300.0, opt.parse_duration, "A job trains steadily (no rule firing for it) this long "
+                                   "before its baseline is captured.", minimum=10, maximum=7 * 86400)
+    baseline_every: float = option(6 * 3600.0, opt.parse_duration, "At most one baseline capture per job in this time "
+                                   "(with baseline_duration, at most 2 s per hour per job).", minimum=3600,
+                                   maximum=30 * 86400)
+    baseline_duration: float = option(1.0, opt.parse_duration, "How long a baseline capture traces.", minimum=0.1,
+                                      maximum=2)
     dir_mode: int = option(0o770, opt.parse_dir_mode, "Mode of a capture directory in server mode, where the "
                            "training process writes into it (never world-writable; agent mode uses 0750).",
                            raw_text=True)

@@ -81,6 +81,47 @@ class PostProcessing(tf.keras.callbacks.Callback):
             rng.random((64, 32, 32)).astype("uint8")
 
 
+def train_step_function(m: tf.keras.Model):
+    optimizer = tf.keras.optimizers.SGD()
+    loss_fn = tf.keras.losses.BinaryCrossentropy()
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, m(x, training=True))
+        grads = tape.gradient(loss, m.trainable_variables)
+        optimizer.apply_gradients(zip(grads, m.trainable_variables, strict=True))
+        return loss
+
+    return train_step
+
+
+def plain_profile(args: argparse.Namespace) -> None:
+    """A custom loop profiled only with TensorFlow's own APIs, as users capture traces without tfprofd."""
+    ds = dataset(args, repeat=True)
+    m = model(args.features, args.width, 1)
+    train_step = train_step_function(m)
+    post = PostProcessing(args.post_ms) if args.post_ms else None
+    started, profiling, step = time.monotonic(), None, 0
+    for x, y in ds:
+        now = time.monotonic() - started
+        if profiling is None and now >= args.profile_after:
+            tf.profiler.experimental.start(args.plain_profile)
+            profiling = now
+        elif profiling is not None and now >= profiling + args.profile_seconds:
+            tf.profiler.experimental.stop()
+            break
+        step += 1
+        with tf.profiler.experimental.Trace("train", step_num=step, _r=1):
+            train_step(x, y)
+        if post:
+            post.on_train_batch_end(step)
+        if args.pause_ms:
+            time.sleep(args.pause_ms / 1000)
+    print(json.dumps({"steps": step, "logdir": args.plain_profile}), flush=True)
+    os._exit(0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--job", default="testjob")
@@ -101,7 +142,16 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.0, help="train on a repeating dataset for this long")
     p.add_argument("--no-markers", action="store_true", help="no profiler step markers")
     p.add_argument("--idle", type=float, default=0.0, help="wait this long (reporting, profiler up) before training")
+    p.add_argument("--pause-ms", type=float, default=0.0, help="custom loop: pause this long between steps")
+    p.add_argument("--plain-profile", metavar="LOGDIR",
+                   help="custom loop without the hook: profile it with TensorFlow's own APIs (Trace step markers, "
+                        "tf.profiler.experimental.start/stop) into LOGDIR, then exit")
+    p.add_argument("--profile-after", type=float, default=3.0, help="with --plain-profile: start after this many s")
+    p.add_argument("--profile-seconds", type=float, default=2.0, help="with --plain-profile: profile this long")
     args = p.parse_args()
+    if args.plain_profile:
+        plain_profile(args)
+        return
 
     batch = args.batch_size if args.explicit_batch_size else None
     ds = dataset(args, repeat=args.seconds > 0)
@@ -130,17 +180,7 @@ def main() -> None:
         steps, samples = reporter.exact_counts()
     else:
         reporter = Reporter.shared(job=args.job)
-        optimizer = tf.keras.optimizers.SGD()
-        loss_fn = tf.keras.losses.BinaryCrossentropy()
-
-        @tf.function
-        def train_step(x, y):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, m(x, training=True))
-            grads = tape.gradient(loss, m.trainable_variables)
-            optimizer.apply_gradients(zip(grads, m.trainable_variables, strict=True))
-            return loss
-
+        train_step = train_step_function(m)
         steps = samples = 0
         for _ in range(args.epochs):
             for x, y in ds:

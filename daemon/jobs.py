@@ -97,6 +97,18 @@ class JobRegistry:
         with self._lock:
             return {p.job for p in self._processes}
 
+    def throughput(self, job: str) -> tuple[float | None, float | None]:
+        """(samples/s of the job's training processes summed, their mean declared batch size), if known."""
+        with self._lock:
+            processes = [p for p in self._processes if p.job == job and p.training]
+        rates = [p.samples_per_second for p in processes if p.samples_per_second is not None]
+        batches = [p.batch_size for p in processes if p.batch_size]
+        return (sum(rates) if rates else None), (sum(batches) / len(batches) if batches else None)
+
+    def training_jobs(self) -> set[str]:
+        with self._lock:
+            return {p.job for p in self._processes if p.training}
+
     def collect(self) -> Iterator[Metric]:
         rows = sorted({(gpu, uuid, p.job, p.worker) for gpu, uuid, p in self._job_gpus()})
         yield gauge("gpu_job_info", "Which training job runs on which GPU (by NVML process list); the value is 1.",

@@ -47,9 +47,10 @@ class CapturePolicy:
         self._alerts_path = alerts_path
         self._alerts: OrderedDict[str, float] = self._load_alerts()
 
-    def admit(self, targets: Sequence[Target], max_per_hour: int, rule: str | None = None,
+    def admit(self, targets: Sequence[Target], max_per_hour: int | None, rule: str | None = None,
               cooldown: float = 0.0) -> Admission:
-        """Raises CaptureBusy, CoolingDown or BudgetSpent; checks and books in one step."""
+        """Raises CaptureBusy, CoolingDown or BudgetSpent; checks and books in one step. ``max_per_hour`` None:
+        outside the hourly budget (baselines, which keep a schedule of their own)."""
         addresses = frozenset(t.address for t in targets)
         now = self.clock.monotonic()
         with self._lock:
@@ -62,9 +63,10 @@ class CapturePolicy:
                                   f"ago ({self._cooldown_until[key] - now:.0f}s left)")
             while self._started and now - self._started[0] >= HOUR:
                 self._started.popleft()
-            if len(self._started) >= max_per_hour:
+            if max_per_hour is not None and len(self._started) >= max_per_hour:
                 raise BudgetSpent(f"capture limit reached: {max_per_hour} per hour (captures.max_per_hour)")
-            self._started.append(now)
+            if max_per_hour is not None:
+                self._started.append(now)
             self._busy |= addresses
             if key is not None:
                 self._cooldown_until[key] = now + cooldown

@@ -59,6 +59,7 @@ class CaptureRecord:
     bytes: int = 0
     directory: str = ""
     analysis: dict[str, Any] | None = None
+    context: dict[str, Any] | None = None  # the job's samples/s and batch size when the capture was asked for
 
     def public(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,7 +74,7 @@ class CaptureRecord:
             "duration_ms": (int,), "mode": (str,), "rule": (str, type(None)), "alert": (str, type(None)),
             "gpu": (str, type(None)), "status": (str,), "reason": (str, type(None)), "detail": (str, type(None)),
             "started_at": (int, float, type(None)), "finished_at": (int, float, type(None)), "files": (list,),
-            "bytes": (int,), "directory": (str,), "analysis": (dict, type(None))}
+            "bytes": (int,), "directory": (str,), "analysis": (dict, type(None)), "context": (dict, type(None))}
         required = {"id", "trigger", "job", "targets", "requested_at", "duration_ms", "mode"}
         values = {}
         for name, types in kinds.items():

@@ -338,6 +338,11 @@ class Engine:
                     out.append(Transition(RESOLVED, rule, dict(key[1]), state.value, "series gone"))
         return out
 
+    def firing_for(self, job: str) -> bool:
+        """Whether any rule fires for a series of this training job."""
+        with self._lock:
+            return any(s.active and dict(labels).get("training_job") == job for (_, labels), s in self._states.items())
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             states = sorted((k, s.active) for k, s in self._states.items())

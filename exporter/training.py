@@ -263,6 +263,7 @@ class ProcessState:
     profiler: str | None  # the address the agent may profile (checked), None if none
     samples_per_second: float | None = None
     recent_step_seconds: float | None = None
+    recent_batch: float | None = None  # samples per step between the last two reports
 
 
 @dataclass
@@ -292,6 +293,8 @@ class ProcessView:
     phase: str
     training: bool  # in phase train and reporting now
     profiler: str | None  # checked profiler address, if any
+    samples_per_second: float | None = None
+    batch_size: float | None = None  # declared, else measured (samples per step)
 
 
 @dataclass(frozen=True)
@@ -501,6 +504,8 @@ class TrainingCollector(Collector):
             steps = report.step_count - previous.step_count
             if steps > 0:
                 process.recent_step_seconds = (report.step_sum - previous.step_sum) / steps
+            if report.steps > previous.steps:
+                process.recent_batch = (report.samples - previous.samples) / (report.steps - previous.steps)
             process.latest = report
             process.last_seen = now
         job.last_seen = now
@@ -577,7 +582,9 @@ class TrainingCollector(Collector):
         now = self.clock.monotonic()
         with self._lock:
             views = tuple(ProcessView(job, worker, p.latest.pid, p.key[0] == "local", p.latest.phase,
-                                      p.latest.phase == "train" and self._fresh(p, now), p.profiler)
+                                      p.latest.phase == "train" and self._fresh(p, now), p.profiler,
+                                      p.samples_per_second if self._fresh(p, now) else None,
+                                      p.latest.batch_size or p.recent_batch)
                           for (job, worker), state in sorted(self.jobs.items()) for p in state.processes.values())
         return (TrainingProcesses(views),)
 

@@ -54,7 +54,8 @@ def rig(tmp_path_factory):
     config = tmp / "tfprofd.yaml"
     config.write_text(RULES)
     agent = AgentProcess(tmp, args=["--config", str(config), "--captures.max-per-hour", "100",
-                                    "--captures.duration", "1s"], env=state.env()).start()
+                                    "--captures.duration", "1s", "--captures.baseline", "false"],
+                         env=state.env()).start()
     job = start_training(agent.hook_port, "--job", "resnet", "--seconds", "600", "--map-delay", "0.0002")
     state.update_gpu(1, processes=[{"pid": job.pid, "used_memory_bytes": 2**30}])
     try:
@@ -281,3 +282,91 @@ def test_capture_command_wraps_the_api(rig):
                               str(token_file), "--api", f"http://127.0.0.1:{agent.api_port}"], capture_output=True,
                              text=True)
     assert refused.returncode == 1 and "capture refused (404)" in refused.stderr
+
+
+def test_a_steady_job_gets_a_baseline_and_later_captures_say_what_changed(rig, tmp_path):
+    agent, reporter = lend(rig, tmp_path, args=["--captures.baseline-after", "10s", "--captures.baseline-duration",
+                                                 "500ms"])
+    try:
+        def baseline():
+            return next((c for c in agent.call("GET", "/captures")[1]["captures"] if c["trigger"] == "baseline"), None)
+
+        record = wait_capture(agent, wait_for(baseline, 60, message="the baseline capture")["id"], timeout=120)
+        assert record["status"] == "done" and record["duration_ms"] == 500, record
+        assert "job lent has trained steadily" in agent.log()
+        status, answer = post_capture(agent, {"job": "lent", "duration_ms": 1000})
+        assert status == 202, answer
+        incident = wait_capture(agent, answer["id"], timeout=120)
+        comparison = incident["analysis"]["comparison"]
+        assert comparison["baseline_id"] == record["id"]
+        assert incident["analysis"]["summary"].startswith(comparison["summary"])
+        assert "step time" in comparison["summary"] and len(comparison["parts"]) == 10
+        text = agent.scrape()
+        for which in ("latest", "baseline"):
+            assert metric_value(text, "tfprofd_capture_step_breakdown_seconds", training_job="lent", capture=which,
+                                part="host_compute") > 0
+        # Retention keeps the baseline even when it is the oldest capture beyond captures.keep.
+        agent.stop()
+        agent.args += ["--captures.keep", "1"]
+        agent.start()
+        kept = {c["trigger"] for c in agent.call("GET", "/captures")[1]["captures"]}
+        assert "baseline" in kept
+    finally:
+        reporter.close()
+        agent.stop()
+
+
+def test_a_capture_opens_in_the_xprof_viewer_for_a_user_who_cannot_write_it(rig, tmp_path):
+    """The agent leaves xprof's viewer cache complete and current, so a read-only reader sees the profile."""
+    import gzip
+    import shutil
+    import tempfile
+    import urllib.request
+
+    from tfprofd.daemon.records import tree_bytes
+
+    agent, _, _ = rig
+    status, answer = post_capture(agent, {"job": "resnet", "duration_ms": 800})
+    assert status == 202, answer
+    record = wait_capture(agent, answer["id"], timeout=180)
+    assert record["status"] == "done", record
+    run = next(Path(record["directory"]).glob("plugins/profile/*"))
+    names = {p.name for p in run.iterdir()}
+    assert {"cache_version.txt", ".cached_tools.json", "ALL_HOSTS.op_stats_v2.pb"} <= names, names
+    assert any(n.endswith(".SSTABLE") for n in names), names  # the trace viewer's tables
+    assert record["bytes"] == tree_bytes(Path(record["directory"]))  # the cache counts in the record's bytes
+    readable = Path(tempfile.mkdtemp(prefix="tfprofd-viewer-"))  # pytest's own tmp dirs are private (0700)
+    copy = readable / "capture"
+    shutil.copytree(record["directory"], copy)
+    subprocess.run(["chmod", "-R", "a+rX,a-w", str(readable)], check=True)
+    port, grpc_port = free_port(), free_port()
+    xprof = Path(sys.executable).with_name("xprof")
+    server = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(xprof), "--logdir",
+                               str(copy), "--port", str(port), "--grpc_port", str(grpc_port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def get(path: str):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/profile/{path}", timeout=30) as r:
+                body = r.read()
+                return json.loads(gzip.decompress(body) if r.headers.get("Content-Encoding") == "gzip" else body)
+
+        def runs():
+            try:
+                return get("runs")
+            except OSError:
+                assert server.poll() is None, "the xprof server exited"
+                return None
+
+        [run_name] = wait_for(runs, 60, message="the xprof server to list the capture")
+        assert "overview_page" in get(f"run_tools?run={run_name}")
+        [host] = get(f"hosts?run={run_name}&tag=overview_page")
+        overview = get(f"data?run={run_name}&tag=overview_page&host={host['hostname']}")
+        assert overview[1]["rows"] and overview[1]["p"]["steptime_ms_average"], "the read-only reader got no steps"
+        trace = get(f"data?run={run_name}&tag=trace_viewer@&host={host['hostname']}")
+        assert trace["traceEvents"]
+        assert sorted(p.name for p in next(copy.glob("plugins/profile/*")).iterdir()) == sorted(names)
+    finally:
+        server.kill()
+        server.wait()
+        subprocess.run(["chmod", "-R", "u+w", str(readable)], check=True)
+        shutil.rmtree(readable)

@@ -24,19 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tfprofd/daemon/protos/xplane.proto\x12\x0etfprofd.xplane\"C\n\x06XSpace\x12&\n\x06planes\x18\x01 \x03(\x0b\x32\x16.tfprofd.xplane.XPlane\x12\x11\n\thostnames\x18\x04 \x03(\t\"<\n\x06XPlane\x12\x0c\n\x04name\x18\x02 \x01(\t\x12$\n\x05lines\x18\x03 \x03(\x0b\x32\x15.tfprofd.xplane.XLine\"=\n\x05XLine\x12\x0c\n\x04name\x18\x02 \x01(\t\x12&\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x16.tfprofd.xplane.XEvent\"\x1d\n\x06XEvent\x12\x13\n\x0bmetadata_id\x18\x01 \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tfprofd/daemon/protos/xplane.proto\x12\x0etfprofd.xplane\"C\n\x06XSpace\x12&\n\x06planes\x18\x01 \x03(\x0b\x32\x16.tfprofd.xplane.XPlane\x12\x11\n\thostnames\x18\x04 \x03(\t\"\xf6\x02\n\x06XPlane\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12$\n\x05lines\x18\x03 \x03(\x0b\x32\x15.tfprofd.xplane.XLine\x12\x41\n\x0e\x65vent_metadata\x18\x04 \x03(\x0b\x32).tfprofd.xplane.XPlane.EventMetadataEntry\x12?\n\rstat_metadata\x18\x05 \x03(\x0b\x32(.tfprofd.xplane.XPlane.StatMetadataEntry\x1aT\n\x12\x45ventMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12-\n\x05value\x18\x02 \x01(\x0b\x32\x1e.tfprofd.xplane.XEventMetadata:\x02\x38\x01\x1aR\n\x11StatMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.tfprofd.xplane.XStatMetadata:\x02\x38\x01\"_\n\x05XLine\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0ctimestamp_ns\x18\x03 \x01(\x03\x12&\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x16.tfprofd.xplane.XEvent\"k\n\x06XEvent\x12\x13\n\x0bmetadata_id\x18\x01 \x01(\x03\x12\x11\n\toffset_ps\x18\x02 \x01(\x03\x12\x13\n\x0b\x64uration_ps\x18\x03 \x01(\x03\x12$\n\x05stats\x18\x04 \x03(\x0b\x32\x15.tfprofd.xplane.XStat\"p\n\x05XStat\x12\x13\n\x0bmetadata_id\x18\x01 \x01(\x03\x12\x14\n\x0c\x64ouble_value\x18\x02 \x01(\x01\x12\x14\n\x0cuint64_value\x18\x03 \x01(\x04\x12\x13\n\x0bint64_value\x18\x04 \x01(\x03\x12\x11\n\tstr_value\x18\x05 \x01(\t\"*\n\x0eXEventMetadata\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\")\n\rXStatMetadata\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tfprofd.daemon.protos.xplane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_XPLANE_EVENTMETADATAENTRY']._loaded_options = None
+  _globals['_XPLANE_EVENTMETADATAENTRY']._serialized_options = b'8\001'
+  _globals['_XPLANE_STATMETADATAENTRY']._loaded_options = None
+  _globals['_XPLANE_STATMETADATAENTRY']._serialized_options = b'8\001'
   _globals['_XSPACE']._serialized_start=54
   _globals['_XSPACE']._serialized_end=121
-  _globals['_XPLANE']._serialized_start=123
-  _globals['_XPLANE']._serialized_end=183
-  _globals['_XLINE']._serialized_start=185
-  _globals['_XLINE']._serialized_end=246
-  _globals['_XEVENT']._serialized_start=248
-  _globals['_XEVENT']._serialized_end=277
+  _globals['_XPLANE']._serialized_start=124
+  _globals['_XPLANE']._serialized_end=498
+  _globals['_XPLANE_EVENTMETADATAENTRY']._serialized_start=330
+  _globals['_XPLANE_EVENTMETADATAENTRY']._serialized_end=414
+  _globals['_XPLANE_STATMETADATAENTRY']._serialized_start=416
+  _globals['_XPLANE_STATMETADATAENTRY']._serialized_end=498
+  _globals['_XLINE']._serialized_start=500
+  _globals['_XLINE']._serialized_end=595
+  _globals['_XEVENT']._serialized_start=597
+  _globals['_XEVENT']._serialized_end=704
+  _globals['_XSTAT']._serialized_start=706
+  _globals['_XSTAT']._serialized_end=818
+  _globals['_XEVENTMETADATA']._serialized_start=820
+  _globals['_XEVENTMETADATA']._serialized_end=862
+  _globals['_XSTATMETADATA']._serialized_start=864
+  _globals['_XSTATMETADATA']._serialized_end=905
 # @@protoc_insertion_point(module_scope)

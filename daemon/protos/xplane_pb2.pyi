@@ -14,23 +14,83 @@ class XSpace(_message.Message):
     def __init__(self, planes: _Optional[_Iterable[_Union[XPlane, _Mapping]]] = ..., hostnames: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class XPlane(_message.Message):
-    __slots__ = ("name", "lines")
+    __slots__ = ("id", "name", "lines", "event_metadata", "stat_metadata")
+    class EventMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: XEventMetadata
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[XEventMetadata, _Mapping]] = ...) -> None: ...
+    class StatMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: XStatMetadata
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[XStatMetadata, _Mapping]] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     LINES_FIELD_NUMBER: _ClassVar[int]
+    EVENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    STAT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    id: int
     name: str
     lines: _containers.RepeatedCompositeFieldContainer[XLine]
-    def __init__(self, name: _Optional[str] = ..., lines: _Optional[_Iterable[_Union[XLine, _Mapping]]] = ...) -> None: ...
+    event_metadata: _containers.MessageMap[int, XEventMetadata]
+    stat_metadata: _containers.MessageMap[int, XStatMetadata]
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., lines: _Optional[_Iterable[_Union[XLine, _Mapping]]] = ..., event_metadata: _Optional[_Mapping[int, XEventMetadata]] = ..., stat_metadata: _Optional[_Mapping[int, XStatMetadata]] = ...) -> None: ...
 
 class XLine(_message.Message):
-    __slots__ = ("name", "events")
+    __slots__ = ("id", "name", "timestamp_ns", "events")
+    ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_NS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    id: int
     name: str
+    timestamp_ns: int
     events: _containers.RepeatedCompositeFieldContainer[XEvent]
-    def __init__(self, name: _Optional[str] = ..., events: _Optional[_Iterable[_Union[XEvent, _Mapping]]] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., timestamp_ns: _Optional[int] = ..., events: _Optional[_Iterable[_Union[XEvent, _Mapping]]] = ...) -> None: ...
 
 class XEvent(_message.Message):
-    __slots__ = ("metadata_id",)
+    __slots__ = ("metadata_id", "offset_ps", "duration_ps", "stats")
     METADATA_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_PS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_PS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     metadata_id: int
-    def __init__(self, metadata_id: _Optional[int] = ...) -> None: ...
+    offset_ps: int
+    duration_ps: int
+    stats: _containers.RepeatedCompositeFieldContainer[XStat]
+    def __init__(self, metadata_id: _Optional[int] = ..., offset_ps: _Optional[int] = ..., duration_ps: _Optional[int] = ..., stats: _Optional[_Iterable[_Union[XStat, _Mapping]]] = ...) -> None: ...
+
+class XStat(_message.Message):
+    __slots__ = ("metadata_id", "double_value", "uint64_value", "int64_value", "str_value")
+    METADATA_ID_FIELD_NUMBER: _ClassVar[int]
+    DOUBLE_VALUE_FIELD_NUMBER: _ClassVar[int]
+    UINT64_VALUE_FIELD_NUMBER: _ClassVar[int]
+    INT64_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    metadata_id: int
+    double_value: float
+    uint64_value: int
+    int64_value: int
+    str_value: str
+    def __init__(self, metadata_id: _Optional[int] = ..., double_value: _Optional[float] = ..., uint64_value: _Optional[int] = ..., int64_value: _Optional[int] = ..., str_value: _Optional[str] = ...) -> None: ...
+
+class XEventMetadata(_message.Message):
+    __slots__ = ("id", "name")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    name: str
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class XStatMetadata(_message.Message):
+    __slots__ = ("id", "name")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    name: str
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
