@@ -132,6 +132,7 @@ class Agent:
                 self.runners.pop(name).stop()
                 close_soon(self.collectors.pop(name))
                 self.endpoints.exposition.forget(name)
+                self.endpoints.exposition.forget(AGENT_PART)  # its collector_success series goes too
                 log.info("collector %s disabled", name)
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:

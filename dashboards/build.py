@@ -10,10 +10,15 @@ import json
 import sys
 from pathlib import Path
 
-from grafana_foundation_sdk.builders import dashboard, prometheus, stat, table, timeseries
+from grafana_foundation_sdk.builders import barchart, dashboard, prometheus, stat, table, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import BigValueColorMode, GraphDrawStyle
-from grafana_foundation_sdk.models.dashboard import DashboardCursorSync, DataSourceRef, VariableRefresh
+from grafana_foundation_sdk.models.dashboard import (
+    DashboardCursorSync,
+    DataSourceRef,
+    DataTransformerConfig,
+    VariableRefresh,
+)
 
 OUTPUT = Path(__file__).with_name("tfprofd.json")
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -87,6 +92,20 @@ def build() -> dashboard.Dashboard:
                      .span(8).height(6).description("Bottleneck named by the job's latest analysed capture.")
                      .with_target(query(f"max by (instance, training_job, kind) "
                                         f"(tfprofd_capture_bottleneck_info{{{JOB}}})", instant=True)))
+    breakdown = f"tfprofd_capture_step_breakdown_seconds{{{JOB}}}"
+    d = d.with_panel(barchart.Panel().title("Step breakdown: latest capture and its baseline").unit("s")
+                     .datasource(DATASOURCE).span(8).height(8).x_field("part")
+                     .description("Time per step in each part of the step, in the job's latest analysed capture "
+                                  "and in its baseline capture (taken while the job trained steadily): the part "
+                                  "that grew is where the time went.")
+                     .with_target(query(f'sum by (part) ({breakdown[:-1]}, capture="latest"}})', "latest",
+                                        instant=True).format("table"))
+                     .with_target(query(f'sum by (part) ({breakdown[:-1]}, capture="baseline"}})', "baseline",
+                                        "B", instant=True).format("table"))
+                     .with_transformation(DataTransformerConfig(id_val="joinByField", options={"byField": "part"}))
+                     .with_transformation(DataTransformerConfig(id_val="organize", options={
+                         "excludeByName": {"Time": True, "Time 1": True, "Time 2": True},
+                         "renameByName": {"Value #A": "latest", "Value #B": "baseline"}})))
     d = d.with_panel(series(
         "Rules active", "none",
         query(f"max by (rule) (tfprofd_rule_active{{{HOST}}})", "{{rule}}"),

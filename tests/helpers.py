@@ -130,6 +130,7 @@ class AgentProcess:
         self.env.pop("TFPROFD_CONFIG", None)
         self.log_path = tmp / f"agent-{self.port}.log"
         self.proc: subprocess.Popen | None = None
+        self.start_prefix: list[str] = []  # e.g. ["prlimit", "--nofile=1024:1024"]
 
     @property
     def url(self) -> str:
@@ -141,7 +142,7 @@ class AgentProcess:
 
     def start(self, wait: bool = True) -> AgentProcess:
         self.log_file = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tfprofd.daemon", "run", *self.args],
+        self.proc = subprocess.Popen([*self.start_prefix, sys.executable, "-m", "tfprofd.daemon", "run", *self.args],
                                      env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT)
         if wait:
             try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import time
 import urllib.parse
 
 import pytest
@@ -55,27 +54,39 @@ def test_every_dashboard_query_parses_and_returns_data(tmp_path):
     state = GpuState(tmp_path / "nvml.json", [gpu(0), gpu(1)])
     # The shipped rules (for the rules panel) and the real /proc (for utilization ratios, which a static
     # fixture /proc cannot give).
-    agent = AgentProcess(tmp_path, args=["--captures.duration", "1s"], env=state.env(), fixtures=False).start()
+    agent = AgentProcess(tmp_path, args=["--captures.duration", "1s", "--captures.baseline-after", "10s",
+                                         "--captures.baseline-duration", "500ms"], env=state.env(),
+                         fixtures=False).start()
     job = start_training(agent.hook_port, "--job", "vit", "--seconds", "200", "--map-delay", "0.0002")
     prometheus = None
     try:
         prometheus, prom_port = start_prometheus(tmp_path, agent.port)
         state.update_gpu(0, processes=[{"pid": job.pid, "used_memory_bytes": 2**30}])
         wait_for(lambda: job_reporting(agent, "vit"), 90, message="the Keras job to report")
+        wait_for(lambda: any(c["trigger"] == "baseline" and c["status"] == "done"
+                             for c in agent.call("GET", "/captures")[1]["captures"]), 120,
+                 message="the job's baseline capture")
         status, answer = agent.call("POST", "/captures", {"job": "vit"})
         assert status == 202, answer
         assert wait_capture(agent, answer["id"], timeout=120)["status"] == "done"
-        time.sleep(6)  # a few more scrapes, so rates and the capture annotation have samples
 
-        failures = []
-        for name, expr in dashboard_queries():
-            url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": substitute(expr)})
-            status, body = http("GET", url)
-            if status != 200 or body.get("status") != "success":
-                failures.append(f"{name}: does not parse: {body}")
-            elif not body["data"]["result"]:
-                failures.append(f"{name}: no data for {substitute(expr)}")
-        assert not failures, "\n".join(failures)
+        def failures() -> list[str]:
+            found = []
+            for name, expr in dashboard_queries():
+                url = (f"http://127.0.0.1:{prom_port}/api/v1/query?"
+                       + urllib.parse.urlencode({"query": substitute(expr)}))
+                status, body = http("GET", url)
+                if status != 200 or body.get("status") != "success":
+                    found.append(f"{name}: does not parse: {body}")
+                elif not body["data"]["result"]:
+                    found.append(f"{name}: no data for {substitute(expr)}")
+            return found
+
+        # Rates and the capture annotation need a few scrapes after the capture: wait until every query has data.
+        try:
+            wait_for(lambda: not failures(), 60, 1.0, message="every dashboard query to return data")
+        except AssertionError:
+            pytest.fail("\n".join(failures()))
     finally:
         job.kill()
         job.wait()

@@ -36,7 +36,7 @@ def test_demo_finds_the_input_bottleneck(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "throughput_drop FIRING" in out
     assert "bottleneck: input" in out
-    assert f"open in TensorBoard: tensorboard --logdir {tmp_path}/state/captures/" in out
+    assert f"open in the viewer: xprof --logdir {tmp_path}/state/captures/" in out
 
 
 def test_ctrl_c_stops_every_process_the_demo_started(tmp_path):

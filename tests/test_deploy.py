@@ -41,7 +41,7 @@ def test_dashboard_is_modern_and_every_panel_has_a_unit():
     assert board["schemaVersion"] >= 39
     assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "instance", "gpu", "training_job"}
     panels = [p for p in board["panels"] if p["type"] != "row"]
-    assert {p["type"] for p in panels} <= {"timeseries", "table", "stat"}
+    assert {p["type"] for p in panels} <= {"timeseries", "table", "stat", "barchart"}
     for panel in panels:
         assert panel["fieldConfig"]["defaults"].get("unit"), panel["title"]
         assert set(panel["gridPos"]) == {"h", "w", "x", "y"}, panel["title"]
@@ -78,8 +78,11 @@ def test_systemd_unit_passes_systemd_analyze_verify(tmp_path):
     unit = (ROOT / "systemd" / "tfprofd.service").read_text()
     assert "EnvironmentFile=-/etc/default/tfprofd" in unit and "User=tfprofd" in unit
     for option in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
-                   "DeviceAllow=/dev/nvidiactl rw", "Restart=on-failure", "StateDirectoryMode=2770"):
+                   "DeviceAllow=/dev/nvidiactl rw", "Restart=on-failure", "StateDirectoryMode=2750",
+                   "RestrictSUIDSGID=yes", "LimitNOFILE=", "RuntimeDirectory=tfprofd",
+                   "TFPROFD_HOOK_SOCKET=/run/tfprofd/hook.sock"):
         assert option in unit, option
+    assert "DIR_MODE" not in unit  # the agent never needs a setgid chmod, so nothing asks for one
     # The unit runs /opt/tfprofd/bin/tfprofd (README's install); verify it against this checkout's tfprofd.
     installed = shutil.which("tfprofd", path=str(Path(sys.executable).parent))
     copy = tmp_path / "tfprofd.service"
@@ -87,6 +90,15 @@ def test_systemd_unit_passes_systemd_analyze_verify(tmp_path):
     result = run(tool("systemd-analyze"), "verify", str(copy))
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stderr.strip() == "", result.stderr
+
+
+def test_systemd_unit_exposure_stays_as_low_as_recorded(tmp_path):
+    """`systemd-analyze security` rates the unit 1.7 (README, Security); a change that loosens it fails here."""
+    copy = tmp_path / "tfprofd.service"
+    copy.write_text((ROOT / "systemd" / "tfprofd.service").read_text())
+    result = run(tool("systemd-analyze"), "security", "--offline=yes", "--threshold=17", str(copy))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+    assert "Overall exposure level for tfprofd.service: 1.7" in result.stdout, result.stdout[-300:]
 
 
 def test_helm_values_match_the_schema_and_bad_values_do_not():

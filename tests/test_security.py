@@ -1,0 +1,261 @@
+"""Attacks a local user, another pod or the network could make, each tried against the real agent.
+
+Several run an attacker as another user (uid 65534 through ``setpriv``), as on a shared GPU host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tfprofd.daemon.records import remove_tree
+from tfprofd.exporter.hook import Reporter
+
+from helpers import AgentProcess, free_port, http, metric_value, wait_for
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def as_nobody(code: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([*NOBODY, sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd="/")
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory every user can reach, as /run/tfprofd is for the agent's group (pytest's own are 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="tfprofd-sec-"))
+    path.chmod(0o755)
+    yield path
+    subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+def rejected(agent: AgentProcess, reason: str) -> float:
+    return metric_value(agent.scrape(), "tfprofd_hook_reports_rejected_total", reason=reason) or 0
+
+
+def report(pid: int, **fields) -> bytes:
+    r = Reporter(job=fields.pop("job", "victim"), worker="0", profiler=False, addr="127.0.0.1:9")
+    data = r.report()
+    data.update(pid=pid, **fields)
+    return json.dumps(data).encode()
+
+
+# ---- the hook's report socket ----
+
+def test_a_local_user_cannot_speak_for_another_process_or_steer_a_capture(shared_dir):
+    agent = AgentProcess(shared_dir, fixtures=False)
+    agent.hook_socket = shared_dir / "hook.sock"
+    agent.args[agent.args.index("--hook.socket") + 1] = str(agent.hook_socket)
+    agent.start()
+    try:
+        assert stat.S_IMODE(agent.hook_socket.stat().st_mode) == 0o660  # the agent's group only
+        agent.hook_socket.chmod(0o666)  # as if the attacker were in that group
+        with socket.socket() as victim_server:  # the victim's profiler server: root's port
+            victim_server.bind(("127.0.0.1", 0))
+            victim_server.listen()
+            port = victim_server.getsockname()[1]
+            attack = as_nobody(f"""
+                import json, os, socket
+                from tfprofd.exporter.hook import Reporter
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                def send(**fields):
+                    r = Reporter(job="victim", worker="0", profiler=False, addr="127.0.0.1:9").report()
+                    r.update(fields)
+                    s.sendto(json.dumps(r).encode(), "{agent.hook_socket}")
+                send(pid=1)  # another process's pid
+                send(pid=os.getpid(), profiler="127.0.0.1:{port}")  # a port another user listens on
+                send(pid=os.getpid(), profiler="10.0.0.7:{port}")  # a remote host
+            """)
+            assert attack.returncode == 0, attack.stderr
+            wait_for(lambda: rejected(agent, "untrusted_profiler") == 2 and rejected(agent, "pid_mismatch") == 1, 10,
+                     message="the three forged reports to be rejected")
+        assert metric_value(agent.scrape(), "tfprofd_training_up", training_job="victim") is None
+        assert agent.call("POST", "/captures", {"job": "victim"})[0] == 404
+    finally:
+        agent.stop()
+
+
+def test_a_udp_report_may_only_name_its_senders_own_profiler(agents):
+    agent = agents()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.sendto(report(4242, profiler="10.1.2.3:6009"), ("127.0.0.1", agent.hook_port))
+        s.sendto(report(4243, job="fine", profiler="localhost:6009"), ("127.0.0.1", agent.hook_port))
+    wait_for(lambda: rejected(agent, "untrusted_profiler") == 1, 10, message="the foreign profiler to be rejected")
+    text = agent.scrape()
+    assert metric_value(text, "tfprofd_training_info", training_job="fine", profiler_address="localhost:6009") == 1
+
+
+@pytest.mark.parametrize("profiler", ["127.0.0.1:0", "127.0.0.1:65536", "127.0.0.1:-1", "bad host!:80", "[::1:80",
+                                      "x" * 300 + ":80", "::1:80"])
+def test_invalid_profiler_addresses_are_rejected(profiler):
+    from tfprofd.exporter.training import Rejected, parse_report
+
+    with pytest.raises(Rejected) as info:
+        parse_report(report(42, profiler=profiler), 8192)
+    assert info.value.reason == "invalid_field"
+
+
+def test_deep_nesting_and_garbage_never_kill_the_listener(agents):
+    agent = agents()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for payload in (b"[" * 2000, b"{" * 5000, b'{"v":' * 1000, b"\x00" * 100, b"[1" + b",[1" * 1500):
+            s.sendto(payload, ("127.0.0.1", agent.hook_port))
+        s.sendto(report(7, job="after"), ("127.0.0.1", agent.hook_port))
+    wait_for(lambda: metric_value(agent.scrape(), "tfprofd_training_up", training_job="after") == 1, 10,
+             message="a valid report after the hostile ones")
+    assert rejected(agent, "too_deep") >= 3
+    assert http("GET", agent.url + "/healthz")[0] == 200
+
+
+def test_histogram_counts_going_backwards_are_rejected(agents):
+    agent = agents()
+    first = json.loads(report(9, seq=1, step_seconds={"count": 10, "sum": 1.0, "buckets": [0] * 9 + [10] * 6}))
+    second = {**first, "seq": 2, "step_seconds": {"count": 10, "sum": 0.5, "buckets": [0] * 9 + [10] * 6}}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for r in (first, second):
+            s.sendto(json.dumps(r).encode(), ("127.0.0.1", agent.hook_port))
+    wait_for(lambda: rejected(agent, "counter_decreased") == 1, 10, message="the decreasing sum to be rejected")
+
+
+def test_a_flood_of_job_names_is_bounded_by_max_jobs(agents):
+    agent = agents(args=["--hook.max-jobs", "200"])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for i in range(1500):
+            s.sendto(report(1000 + i, job=f"flood-{i}"), ("127.0.0.1", agent.hook_port))
+            if i % 100 == 0:
+                time.sleep(0.01)  # a loopback receive buffer still drops under a burst
+    wait_for(lambda: metric_value(agent.scrape(), "tfprofd_hook_jobs") == 200, 20, message="200 jobs tracked")
+    assert rejected(agent, "too_many_jobs") > 0
+    text = agent.scrape()
+    assert text.count("tfprofd_training_up{") == 200
+    assert agent.log().count("reporting: pid") <= 20 + 1  # the per-job log line is rate-limited
+
+
+# ---- files the agent writes, and deletes ----
+
+def test_retention_never_follows_a_link_and_counts_what_it_freed(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"x" * 1000)
+    capture = tmp_path / "captures" / "20261121T101010Z-abcdef"
+    (capture / "plugins").mkdir(parents=True)
+    (capture / "plugins" / "trace.xplane.pb").write_bytes(b"y" * 500)
+    (capture / "link-to-outside").symlink_to(outside)
+    (capture / "plugins" / "file-link").symlink_to(outside / "precious")
+    os.link(outside / "precious", capture / "hardlink")  # deleting it frees nothing
+    freed, left = remove_tree(capture)
+    assert (freed, left) == (500, [])
+    assert (outside / "precious").read_bytes() == b"x" * 1000 and not capture.exists()
+
+
+def test_what_retention_cannot_delete_is_reported_not_hidden(shared_dir):
+    capture = shared_dir / "capture"
+    (capture / "theirs").mkdir(parents=True)
+    (capture / "mine").write_bytes(b"z" * 300)
+    (capture / "theirs" / "trace").write_bytes(b"w" * 700)  # a training user's file, in a directory of theirs
+    subprocess.run(["chown", "-R", "65534:65534", str(capture)], check=True)
+    (capture / "theirs").chmod(0o755)
+    os.chown(capture / "theirs", 0, 0)  # owned by another user than the deleting agent (here nobody)
+    result = as_nobody(f"""
+        import json
+        import json
+        from pathlib import Path
+        from tfprofd.daemon.records import remove_tree
+        print(json.dumps(remove_tree(Path("{capture}"))))
+    """)
+    freed, left = json.loads(result.stdout)
+    assert freed == 300 and any("theirs/trace" in problem and "Permission denied" in problem for problem in left)
+
+
+def test_no_directory_the_agent_makes_is_world_writable_and_records_are_private(agents, tmp_path):
+    agent = agents(args=["--captures.mode", "server"])
+    closed = free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.sendto(report(77, job="j", profiler=f"127.0.0.1:{closed}"), ("127.0.0.1", agent.hook_port))
+    wait_for(lambda: metric_value(agent.scrape(), "tfprofd_training_up", training_job="j") == 1, 10, message="job j")
+    status, answer = agent.call("POST", "/captures", {"job": "j"})
+    assert status == 202, answer
+    wait_for(lambda: agent.call("GET", f"/captures/{answer['id']}")[1]["status"] == "failed", 30, message="the capture")
+    state = tmp_path / "state"
+    for path in [state, *state.rglob("*")]:
+        mode = path.lstat().st_mode
+        assert not mode & stat.S_IWOTH, f"{path} is world-writable ({stat.filemode(mode)})"
+    assert stat.S_IMODE((state / "records").stat().st_mode) == 0o700
+    assert stat.S_IMODE((state / "api.token").stat().st_mode) == 0o640
+    assert stat.S_IMODE((state / "captures" / answer["id"]).stat().st_mode) == 0o770  # server mode: group writes
+
+
+def test_a_planted_link_where_the_token_goes_is_not_followed(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir(mode=0o750)
+    victim = tmp_path / "victim"
+    victim.write_text("do not touch\n")
+    (state / "api.token").symlink_to(victim)
+    result = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "run", "--state-dir", str(state), "--listen",
+                             "127.0.0.1:0", "--api.listen", "127.0.0.1:0", "--hook.socket", str(tmp_path / "h.sock")],
+                            capture_output=True, text=True, timeout=10)
+    assert result.returncode == 1 and "api.token" in result.stderr, result.stderr
+    assert victim.read_text() == "do not touch\n"
+
+
+# ---- the control API ----
+
+def test_the_generated_token_guards_the_api_and_the_capture_command_finds_it(agents, tmp_path):
+    agent = agents()
+    token = agent.token
+    assert len(token) >= 32
+    assert http("GET", agent.api + "/captures")[0] == 401
+    assert http("GET", agent.api + "/captures", token=token)[0] == 200
+    env = {**os.environ, "TFPROFD_STATE_DIR": str(tmp_path / "state")}
+    result = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "capture", "--api",
+                             f"http://127.0.0.1:{agent.api_port}"], capture_output=True, text=True, env=env)
+    assert result.returncode == 1 and "capture refused (404)" in result.stderr, result.stderr  # authenticated
+    denied = as_nobody(f"""
+        import urllib.request
+        try:
+            urllib.request.urlopen("http://127.0.0.1:{agent.api_port}/api/v1/captures")
+        except Exception as exc:
+            print(getattr(exc, "code", exc))
+        print(open("{tmp_path / 'state' / 'api.token'}").read())
+    """)
+    assert denied.stdout.startswith("401") and "Permission denied" in denied.stderr
+
+
+# ---- the HTTP server under idle connections ----
+
+def test_a_thousand_idle_connections_do_not_stop_metrics_or_the_collectors(tmp_path):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    agent = AgentProcess(tmp_path, fixtures=False)
+    # The file-descriptor limit a plain service gets.
+    agent.start_prefix = ["prlimit", "--nofile=1024:1024"]
+    agent.start()
+    held = []
+    try:
+        for _ in range(1100):
+            held.append(socket.create_connection(("127.0.0.1", agent.port), timeout=10))
+        wait_for(lambda: (metric_value(agent.scrape(), "tfprofd_http_connections_evicted_total", server="metrics")
+                          or 0) >= 900, 30, message="the idle connections to be accepted")
+        started = time.monotonic()
+        status, _ = http("GET", agent.url + "/metrics")
+        took = time.monotonic() - started
+        assert status == 200 and took < 0.1, f"/metrics took {took * 1000:.0f} ms"
+        for collector in ("cpu", "memory", "disk", "network", "training"):
+            assert metric_value(agent.scrape(), "tfprofd_collector_success", collector=collector) == 1, collector
+        assert "Too many open files" not in agent.log()
+    finally:
+        for s in held:
+            s.close()
+        agent.stop()
