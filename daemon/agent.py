@@ -87,12 +87,12 @@ class Agent:
         self.captures.on_change = lambda: self.endpoints.exposition.forget(AGENT_PART)
         with self._lock:
             self._apply()
-        self.loop.start()
-        for server in self.servers:
-            server.start(self.loop)
         deadline = self.env.clock.monotonic() + 2.0  # the first scrape has data, unless a collector hangs
         for runner in self.runners.values():
             runner.first_sample.wait(max(0.0, deadline - self.env.clock.monotonic()))
+        self.loop.start()
+        for server in self.servers:
+            server.start(self.loop)
         release_startup_memory()
         self.captures.enforce_retention()
         log.info("tfprofd %s serving metrics on %s:%d, control API on %s:%d, hook reports on %s", __version__,

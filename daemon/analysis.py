@@ -520,6 +520,19 @@ def combine(workers: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
+CAUSE_PARTS = {"input": ("input_wait",), "transfer": ("host_to_device",), "host": ("host_compute", "kernel_launch",
+               "other"), "device": ("device_compute", "device_to_device", "device_collectives")}
+MOVED = 0.25  # a part that moved by this share of the step time's change is worth naming
+
+
+def _parts_that_moved(parts: list[dict[str, Any]], step_delta: float, cause: str) -> list[dict[str, Any]]:
+    """The parts worth naming in the summary (at most three): those that moved by a good share of the step
+    time's change, the cause's own parts first (on a shared CPU, heavy preprocessing slows compute too)."""
+    moved = [d for d in parts if abs(d["delta_ms"]) >= MOVED * abs(step_delta)] or parts[:1]
+    own = CAUSE_PARTS.get(cause, ())
+    return sorted(moved, key=lambda d: (d["part"] not in own, -abs(d["delta_ms"])))[:3]
+
+
 def compare(baseline: dict[str, Any], incident: dict[str, Any], rates: tuple[float | None, float | None] = (None, None),
             batches: tuple[float | None, float | None] = (None, None)) -> dict[str, Any] | None:
     """What changed from the job's baseline capture to this one: throughput, step time, parts, ops."""
@@ -549,8 +562,8 @@ def compare(baseline: dict[str, Any], incident: dict[str, Any], rates: tuple[flo
     if all(batches) and batches[0] != batches[1]:
         lead.append(f"batch {batches[0]:.0f} → {batches[1]:.0f}")
     lead.append(f"step time {before:.1f} → {after:.1f} ms ({after - before:+.1f} ms per step)")
-    top = parts[0]
-    detail = f"{top['delta_ms']:+.1f} ms {PART_WORDS[top['part']]}"
+    detail = ", ".join(f"{d['delta_ms']:+.1f} ms {PART_WORDS[d['part']]}"
+                       for d in _parts_that_moved(parts, after - before, incident["bottleneck"]))
     between = out["between_steps"]
     if None not in between and between[1] - between[0] >= 0.2:
         detail = f"time between steps {between[0]:.0%} → {between[1]:.0%} of the stepping span"

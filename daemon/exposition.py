@@ -128,12 +128,17 @@ class Exposition:
             return False  # no cadence known yet (one curl), or nobody scrapes this format any more
         return now - last >= period - 2.5 * interval
 
-    def after_sample(self, name: str, collect: Callable[[], Iterable[Metric]], interval: float) -> None:
-        """On a sampling thread: render ``name`` in each format whose scrape is due (once per half interval)."""
+    def after_sample(self, name: str, collect: Callable[[], Iterable[Metric]], interval: float,
+                     min_gap: float = 0.0) -> None:
+        """On a sampling thread, after a sample changed what ``name`` renders: render it in each format whose
+        scrape is due, and drop its rendering in the others (the next scrape renders it afresh). ``min_gap``
+        keeps a rendering that is younger than that (for parts that many samples touch)."""
         now = self.clock()
-        for fmt in [f for f in list(self._scrapes) if self._due(f, now, interval)]:
+        for fmt in list(self._scrapes):
             part = self._parts.get((name, fmt))
-            if part is None or now - part.made >= interval / 2:
+            if not self._due(fmt, now, interval):
+                self._parts.pop((name, fmt), None)
+            elif part is None or now - part.made >= min_gap:
                 self._parts[(name, fmt)] = Part(render(collect(), fmt), now)
 
     def part(self, name: str, fmt: str, collect: Callable[[], Iterable[Metric]], max_age: float) -> bytes:

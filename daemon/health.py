@@ -58,7 +58,7 @@ class Endpoints:
         health) that its sample changed, ahead of a scrape that is due."""
         interval = self.interval()
         self.exposition.after_sample(snapshot.collector, snapshot.families, interval)
-        self.exposition.after_sample(AGENT_PART, self._agent_families, interval)
+        self.exposition.after_sample(AGENT_PART, self._agent_families, interval, min_gap=interval / 2)
 
     def _parts(self, fmt: str) -> list[bytes]:
         max_age = 2 * self.interval() + 0.5

@@ -56,6 +56,7 @@ class RunnerState:
 
 
 Subscriber = Callable[[Snapshot], None]
+WAKE_RATE = 10  # extra samples a second a collector's wake() may cause at most
 
 
 class CollectorRunner:
@@ -73,6 +74,8 @@ class CollectorRunner:
         self._last_done = 0.0  # monotonic end of the latest sample
         self._died: str | None = None
         self._stop = threading.Event()
+        self._woken = threading.Event()
+        collector.set_wake(self._woken.set)
         self.first_sample = threading.Event()
         self._thread = threading.Thread(target=self._guarded_loop, name=f"tfprofd-{self.name}", daemon=True)
         self._failing_logged = False
@@ -83,6 +86,7 @@ class CollectorRunner:
 
     def stop(self) -> None:
         self._stop.set()
+        self._woken.set()
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -161,13 +165,16 @@ class CollectorRunner:
     def _loop(self) -> None:
         next_due = self.clock.monotonic()
         while not self._stop.is_set():
+            self._woken.clear()  # before sampling: a wake during the sample asks for another
             self.sample_once()
-            next_due += self.interval()
-            delay = next_due - self.clock.monotonic()
-            if delay < 0:  # fell behind (slow collector or suspended host): skip, don't burst
-                next_due = self.clock.monotonic()
-                delay = 0
-            self._stop.wait(delay)
+            now = self.clock.monotonic()
+            if now >= next_due:  # a scheduled sample (not a woken one): schedule the next
+                next_due += self.interval()
+                if next_due < now:  # fell behind (slow collector or suspended host): skip, don't burst
+                    next_due = now
+            if self._woken.wait(max(next_due - self.clock.monotonic(), 0)) and not self._stop.is_set():
+                # a woken sample, but at most WAKE_RATE a second however often the collector asks
+                self._stop.wait(max(self._last_done + 1 / WAKE_RATE - self.clock.monotonic(), 0))
 
 
 def states(runners: Mapping[str, CollectorRunner]) -> dict[str, RunnerState]:

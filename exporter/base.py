@@ -10,7 +10,7 @@ The agent publishes the three together as one immutable snapshot per sample.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -77,6 +77,17 @@ class Collector:
     def __init__(self, settings: Any, env: Environment):
         self.settings = settings
         self.env = env
+        self._wake: Callable[[], None] | None = None
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """Install the sampler's "sample now" callback (see ``wake``)."""
+        self._wake = wake
+
+    def wake(self) -> None:
+        """Ask for a sample before the next interval, when the state changed in a way the rest of the agent
+        should see soon (a new training process); any thread may call it."""
+        if self._wake is not None:
+            self._wake()
 
     def configure(self, settings: Any) -> None:
         """Apply a reloaded configuration (options marked restart keep their running value)."""

@@ -305,6 +305,31 @@ class TrainingProcesses:
 
 
 @dataclass(frozen=True)
+class _Row:
+    """One (training_job, worker) series as a sample froze it."""
+
+    key: tuple[str, str]
+    totals: Counts
+    processes: int
+    up: bool
+    rate: float | None
+    batch_size: float | None
+    epoch: int | None
+    phase: str | None
+    first_step_seconds: float | None
+    profilers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Sampled:
+    rows: tuple[_Row, ...] = ()
+    rejected: tuple[tuple[str, int], ...] = ()
+    accepted: int = 0
+    signals: Signals = field(default_factory=dict)
+    facts: TrainingProcesses = TrainingProcesses(())
+
+
+@dataclass(frozen=True)
 class HookSettings:
     enabled: bool = option(True, parse_bool, "Receive reports from the training hook.")
     socket: str = option(default_socket_path(), parse_str,
@@ -343,6 +368,7 @@ class TrainingCollector(Collector):
         self._stop = threading.Event()
         self._problem: str | None = None
         self._new_job_logs: list[float] = []
+        self._sampled = _Sampled()
         self._logs_suppressed = 0
         self._selector = selectors.DefaultSelector()
         self._sockets: list[socket.socket] = []
@@ -488,6 +514,7 @@ class TrainingCollector(Collector):
                 self.jobs[series] = job
             job.processes[key] = ProcessState(key, report, now, profiler)
             self._log_new(report, sender, profiler)
+            self.wake()  # the job registry should know it before the next interval
         else:
             previous = process.latest
             if report.seq <= previous.seq:
@@ -531,7 +558,9 @@ class TrainingCollector(Collector):
         return not (self.env.paths.procfs / str(process.latest.pid)).exists()
 
     def sample(self) -> bool:
-        """Retire processes that exited or went quiet; forget jobs that stopped reporting long ago."""
+        """Retire processes that exited or went quiet, forget jobs that stopped reporting long ago, and
+        freeze what this sample serves: metrics, rule signals and the job registry's facts all describe
+        the same moment (a job visible in /metrics is one a capture can target)."""
         now = self.clock.monotonic()
         with self._lock:
             candidates = [(series, key, p) for series, job in self.jobs.items() for key, p in job.processes.items()]
@@ -554,39 +583,53 @@ class TrainingCollector(Collector):
                     del self.jobs[series]
                     log.info("training job %s worker %s expired after %.0fs without reports", *series,
                              self.settings.expire_after)
+            self._sampled = self._freeze(now)
         return True
 
     def _fresh(self, process: ProcessState, now: float) -> bool:
         return now - process.last_seen <= RATE_STALE_SECONDS
 
+    def _freeze(self, now: float) -> _Sampled:
+        """The current state as plain values (called with the lock held)."""
+        wall = self.clock.time()
+        rows, views = [], []
+        signals: dict[str, list[tuple[dict[str, str], float]]] = {name: [] for name in self.signals}
+        for (job, worker), state in sorted(self.jobs.items()):
+            live = sorted(state.processes.values(), key=lambda p: p.latest.time)
+            training = [p for p in live if p.latest.phase == "train" and self._fresh(p, now)]
+            rates = [p.samples_per_second for p in training if p.samples_per_second is not None]
+            newest = live[-1].latest if live else None
+            rows.append(_Row(
+                key=(job, worker), totals=state.totals(), processes=len(live),
+                up=now - state.last_seen <= self.settings.down_after, rate=sum(rates) if rates else None,
+                batch_size=newest.batch_size if newest else None,
+                epoch=max(p.latest.epoch for p in live) if live else None,
+                phase=_phase(live) if live else None,
+                first_step_seconds=newest.first_step_seconds if newest else None,
+                profilers=tuple(sorted({p.profiler or "" for p in live}))))
+            labels = {"training_job": job, "worker": worker}
+            if rates:
+                signals["samples_per_second"].append((labels, sum(rates)))
+            steps = [p.recent_step_seconds for p in training if p.recent_step_seconds is not None]
+            if steps:
+                signals["step_seconds"].append((labels, sum(steps) / len(steps)))
+            waiting = [wall - p.latest.process_start for p in live if p.latest.first_step_seconds is None]
+            if waiting:
+                signals["seconds_without_first_step"].append((labels, max(waiting)))
+            for p in state.processes.values():
+                fresh = self._fresh(p, now)
+                views.append(ProcessView(job, worker, p.latest.pid, p.key[0] == "local", p.latest.phase,
+                                         p.latest.phase == "train" and fresh, p.profiler,
+                                         p.samples_per_second if fresh else None,
+                                         p.latest.batch_size or p.recent_batch))
+        return _Sampled(tuple(rows), tuple(sorted(self.rejected.items())), self.accepted, signals,
+                        TrainingProcesses(tuple(views)))
+
     def rule_signals(self) -> Signals:
-        now, wall = self.clock.monotonic(), self.clock.time()
-        out: dict[str, list[tuple[dict[str, str], float]]] = {name: [] for name in self.signals}
-        with self._lock:
-            for (job, worker), state in self.jobs.items():
-                labels = {"training_job": job, "worker": worker}
-                training = [p for p in state.processes.values() if p.latest.phase == "train" and self._fresh(p, now)]
-                rates = [p.samples_per_second for p in training if p.samples_per_second is not None]
-                if rates:
-                    out["samples_per_second"].append((labels, sum(rates)))
-                steps = [p.recent_step_seconds for p in training if p.recent_step_seconds is not None]
-                if steps:
-                    out["step_seconds"].append((labels, sum(steps) / len(steps)))
-                waiting = [wall - p.latest.process_start for p in state.processes.values()
-                           if p.latest.first_step_seconds is None]
-                if waiting:
-                    out["seconds_without_first_step"].append((labels, max(waiting)))
-        return out
+        return self._sampled.signals
 
     def facts(self) -> tuple[TrainingProcesses, ...]:
-        now = self.clock.monotonic()
-        with self._lock:
-            views = tuple(ProcessView(job, worker, p.latest.pid, p.key[0] == "local", p.latest.phase,
-                                      p.latest.phase == "train" and self._fresh(p, now), p.profiler,
-                                      p.samples_per_second if self._fresh(p, now) else None,
-                                      p.latest.batch_size or p.recent_batch)
-                          for (job, worker), state in sorted(self.jobs.items()) for p in state.processes.values())
-        return (TrainingProcesses(views),)
+        return (self._sampled.facts,)
 
     def problem(self) -> str | None:
         return self._problem
@@ -608,56 +651,43 @@ class TrainingCollector(Collector):
         self._selector.close()
 
     def collect(self) -> Iterator[Metric]:
-        now = self.clock.monotonic()
-        with self._lock:
-            rows = []
-            for key, state in sorted(self.jobs.items()):
-                live = sorted(state.processes.values(), key=lambda p: p.latest.time)
-                fresh = [p for p in live if self._fresh(p, now)]
-                rates = [p.samples_per_second for p in fresh
-                         if p.latest.phase == "train" and p.samples_per_second is not None]
-                rows.append((key, state.totals(), live, now - state.last_seen <= self.settings.down_after,
-                             sum(rates) if rates else None))
-            rejected = sorted(self.rejected.items())
-            accepted = self.accepted
+        sampled = self._sampled
+        rows = sampled.rows
         labels = ["training_job", "worker"]
-        yield counter("hook_reports", "Total training-hook reports accepted.", [], [((), accepted)])
+        yield counter("hook_reports", "Total training-hook reports accepted.", [], [((), sampled.accepted)])
         yield counter("hook_reports_rejected", "Total training-hook reports rejected and dropped, by reason.",
-                      ["reason"], (((reason,), n) for reason, n in rejected))
+                      ["reason"], (((reason,), n) for reason, n in sampled.rejected))
         yield gauge("hook_jobs", "Number of (training_job, worker) series the agent tracks (at most hook.max_jobs).",
                     [], [((), len(rows))])
         yield gauge("training_up", "Whether the training job reported within the last down_after seconds.", labels,
-                    ((key, 1.0 if up else 0.0) for key, _, _, up, _ in rows))
+                    ((r.key, 1.0 if r.up else 0.0) for r in rows))
         yield gauge("training_processes", "Number of processes reporting for the training job.", labels,
-                    ((key, len(live)) for key, _, live, _, _ in rows))
+                    ((r.key, r.processes) for r in rows))
         yield counter("training_steps", "Total training steps the job has run.", labels,
-                      ((key, totals[0]) for key, totals, _, _, _ in rows))
+                      ((r.key, r.totals[0]) for r in rows))
         yield counter("training_samples", "Total training samples (examples) the job has processed.", labels,
-                      ((key, totals[1]) for key, totals, _, _, _ in rows))
+                      ((r.key, r.totals[1]) for r in rows))
         yield gauge("training_samples_per_second", "Training throughput of the job's processes, summed, between "
                     "their last two reports (absent while none trains).", labels,
-                    ((key, rate) for key, _, _, _, rate in rows if rate is not None))
+                    ((r.key, r.rate) for r in rows if r.rate is not None))
         yield gauge("training_batch_size", "Batch size the job declared.", labels,
-                    ((key, live[-1].latest.batch_size) for key, _, live, _, _ in rows
-                     if live and live[-1].latest.batch_size is not None))
+                    ((r.key, r.batch_size) for r in rows if r.batch_size is not None))
         yield gauge("training_epoch", "Current epoch of the job (0-based).", labels,
-                    ((key, max(p.latest.epoch for p in live)) for key, _, live, _, _ in rows if live))
+                    ((r.key, r.epoch) for r in rows if r.epoch is not None))
         yield gauge("training_phase", "Whether the job is in this phase (1) or not (0).", [*labels, "phase"],
-                    (([*key, phase], 1.0 if phase == _phase(live) else 0.0)
-                     for key, _, live, _, _ in rows if live for phase in PHASES))
+                    (([*r.key, phase], 1.0 if phase == r.phase else 0.0)
+                     for r in rows if r.phase is not None for phase in PHASES))
         yield gauge("training_first_step_seconds", "Seconds from process start to the job's first training step.",
-                    labels, ((key, live[-1].latest.first_step_seconds) for key, _, live, _, _ in rows
-                             if live and live[-1].latest.first_step_seconds is not None))
+                    labels, ((r.key, r.first_step_seconds) for r in rows if r.first_step_seconds is not None))
         yield gauge("training_info", "Training job metadata: the profiler server address of each of its processes; "
                     "the value is 1.", [*labels, "profiler_address"],
-                    (([*key, address], 1) for key, _, live, _, _ in rows
-                     for address in sorted({p.profiler or "" for p in live})))
+                    (([*r.key, address], 1) for r in rows for address in r.profilers))
         histogram = HistogramMetricFamily(PREFIX + "training_step_duration_seconds",
                                           "Duration of training steps as the hook measured them.", labels=labels)
-        for key, totals, _, _, _ in rows:
-            buckets = [(repr(bound), float(c)) for bound, c in zip(STEP_BUCKETS, totals[4], strict=True)]
-            buckets.append(("+Inf", float(totals[2])))
-            histogram.add_metric(list(key), buckets, totals[3])
+        for r in rows:
+            buckets = [(repr(bound), float(c)) for bound, c in zip(STEP_BUCKETS, r.totals[4], strict=True)]
+            buckets.append(("+Inf", float(r.totals[2])))
+            histogram.add_metric(list(r.key), buckets, r.totals[3])
         yield histogram
 
 

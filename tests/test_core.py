@@ -256,6 +256,16 @@ def test_two_processes_of_one_job_add_up_instead_of_clobbering(agents):
     assert "restarted" not in agent.log()
 
 
+def test_a_job_in_the_metrics_can_be_captured_at_once_even_with_a_long_interval(agents):
+    agent = agents(args=["--interval", "60s"])  # no scheduled sample during the test
+    for n in range(10):
+        _report(agent, job=f"new{n}", pid=3000 + n, phase="train")
+        wait_for(lambda n=n: metric_value(agent.scrape(), "tfprofd_training_up", training_job=f"new{n}") == 1, 10,
+                 message=f"job new{n} in /metrics")
+        status, answer = agent.call("POST", "/captures", {"job": f"new{n}"})
+        assert status == 404 and "no profiler server" in answer["error"], answer  # known, not "no training job"
+
+
 def test_a_killed_job_stops_counting_as_training_at_once(agents, tmp_path):
     agent = agents(fixtures=False)
     code = textwrap.dedent(f"""

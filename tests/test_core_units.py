@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from tfprofd.daemon.errors import BudgetSpent, CaptureBusy, CoolingDown, Storage
 from tfprofd.daemon.jobs import JobRegistry, Target
 from tfprofd.daemon.policy import CapturePolicy
 from tfprofd.daemon.records import RecordStore
-from tfprofd.daemon.sampler import CollectorRunner
+from tfprofd.daemon.sampler import WAKE_RATE, CollectorRunner
 from tfprofd.daemon.workers import Outcome
 from tfprofd.exporter.base import Clock, Collector, Environment
 
@@ -197,6 +198,23 @@ def test_a_failing_subscriber_is_isolated_and_sampling_goes_on(caplog):
         wait_for(lambda: len(seen) >= 5, 10, message="sampling to go on past the failing subscriber")
         assert runner.state().healthy and runner.state().success
         assert caplog.text.count("failed on a snapshot") == 1  # the same failure is logged once
+    finally:
+        runner.stop()
+
+
+def test_wake_samples_before_the_interval_but_a_flood_of_wakes_is_rate_limited():
+    collector = Flaky(None, Environment())
+    runner = CollectorRunner(collector, lambda: 3600.0, Clock())
+    runner.start()
+    try:
+        wait_for(lambda: collector.samples == 1, 10, message="the first sample")
+        collector.wake()
+        wait_for(lambda: collector.samples == 2, 10, message="a woken sample long before the interval")
+        started = time.monotonic()
+        while time.monotonic() - started < 1.0:  # a flood of new processes, each asking for a sample
+            collector.wake()
+        elapsed = time.monotonic() - started
+        assert collector.samples - 2 <= WAKE_RATE * elapsed + 2, collector.samples
     finally:
         runner.stop()
 

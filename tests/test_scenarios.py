@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tfprofd.daemon.analysis import PART_WORDS
+
 from helpers import AgentProcess
 from scenarios import PAUSE, SCENARIOS, capture, plain_trace
 
@@ -62,7 +64,10 @@ def test_scenario_is_named_and_compared_with_its_baseline(agent, healthy, scenar
     comparison = result["comparison"]
     assert comparison["summary"].endswith(f"cause: {scenario.expected}"), comparison["summary"]
     if scenario.grew:
-        assert comparison["parts"][0]["part"] == scenario.grew and comparison["parts"][0]["delta_ms"] > 0, comparison
+        grew = {d["part"]: d["delta_ms"] for d in comparison["parts"]}[scenario.grew]
+        assert grew >= 0.25 * comparison["step_ms"][2], comparison  # a good share of the slowdown
+        named = comparison["summary"].split(": ", 1)[1]
+        assert named.startswith(f"{grew:+.1f} ms {PART_WORDS[scenario.grew]}"), comparison["summary"]
         assert comparison["ops"] and comparison["ops"][0]["kind"] == "input", comparison["ops"]
     if scenario.expected == "host":
         before, after = comparison["between_steps"]
