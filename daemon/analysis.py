@@ -130,13 +130,33 @@ def quiet(verbose: bool) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def private_session(trace: Path) -> Iterator[Path]:
+def private_session(trace: Path, hide_loops: bool = False) -> Iterator[Path]:
     """A fresh directory holding only a link to the trace: xprof caches per directory, so a folder of
-    several traces would give every one the first one's answers, and the user's folder stays as it was."""
+    several traces would give every one the first one's answers, and the user's folder stays as it was.
+
+    ``hide_loops``: hold a copy instead, without the loop-iteration ids of TensorFlow's executor events.
+    Where a trace has any TF while loop (Keras's steps_per_execution > 1 runs its steps in one, and so do
+    some models), xprof takes every loop iteration for a step and ignores the step markers, finding no
+    steps at all; without those ids it groups the trace by its step markers."""
     with tempfile.TemporaryDirectory(prefix="tfprofd-analysis-") as tmp:
         linked = Path(tmp) / trace.name
-        linked.symlink_to(trace.resolve())
+        if hide_loops:
+            linked.write_bytes(_without_loop_ids(trace.read_bytes()))
+        else:
+            linked.symlink_to(trace.resolve())
         yield linked
+
+
+def _without_loop_ids(data: bytes) -> bytes:
+    """The trace with its ``iter_num`` stat renamed (every event and value is kept)."""
+    from .protos import xplane_pb2
+
+    space = xplane_pb2.XSpace.FromString(data)
+    for plane in space.planes:
+        for meta in plane.stat_metadata.values():
+            if meta.name == "iter_num":
+                meta.name = "iter_num_hidden_by_tfprofd"
+    return space.SerializeToString()
 
 
 def _tool(trace: Path, tool: str) -> Any:
@@ -224,6 +244,9 @@ def timeline(trace: Path) -> dict[str, Any]:
     space = xplane_pb2.XSpace.FromString(trace.read_bytes())
     low = high = None
     host_steps: list[tuple[int, int]] = []
+    marker_steps: list[int] = []  # training steps each host step marker covers (its ``steps`` stat, else 1)
+    loops = False  # a TF while loop ran (executor events with an iteration number above 0)
+    window = None  # the profiling session's (start, stop) in Unix ns, from the Task Environment plane
     fetches: list[tuple[int, int]] = []  # the stepping thread waiting on the input iterator
     device_steps: dict[str, list[tuple[int, int]]] = {}
     ops: list[tuple[int, int]] = []
@@ -232,7 +255,14 @@ def timeline(trace: Path) -> dict[str, Any]:
     copies: dict[str, float] = {}
     for plane in space.planes:
         names = {i: m.name for i, m in plane.event_metadata.items()}
-        step_stats = {i for i, m in plane.stat_metadata.items() if m.name == "step_num"}
+        stat_names = {i: m.name for i, m in plane.stat_metadata.items()}
+        step_stats = {i for i, name in stat_names.items() if name == "step_num"}
+        count_stat = next((i for i, name in stat_names.items() if name == "steps"), None)
+        loop_stat = next((i for i, name in stat_names.items() if name == "iter_num"), None)
+        if plane.name == "Task Environment":
+            stats = {stat_names.get(st.metadata_id): st.int64_value or st.uint64_value for st in plane.stats}
+            if stats.get("profile_start_time") and stats.get("profile_stop_time"):
+                window = (stats["profile_start_time"], stats["profile_stop_time"])
         host = plane.name.startswith("/host")
         plane_ops: list[tuple[int, int, str]] = []
         kernels: list[tuple[int, int, str]] = []
@@ -249,6 +279,12 @@ def timeline(trace: Path) -> dict[str, Any]:
                 if host:
                     if step_stats and any(st.metadata_id in step_stats for st in event.stats):
                         host_steps.append((start, end))
+                        marker_steps.append(next((st.int64_value or st.uint64_value for st in event.stats
+                                                  if st.metadata_id == count_stat), 1) or 1)
+                    elif loop_stat is not None and not loops and any(
+                            st.metadata_id == loop_stat and (st.int64_value or st.uint64_value) > 0
+                            for st in event.stats):
+                        loops = True
                     elif "IteratorGetNext" in name and not compute_thread and not data_thread:
                         fetches.append((start, end))
                     elif compute_thread and ":" in name:
@@ -268,6 +304,8 @@ def timeline(trace: Path) -> dict[str, Any]:
     markers = _merge(host_steps) if host_steps else _merge(max(device_steps.values(), key=len, default=[]))
     gaps = [(a[1], b[0]) for a, b in itertools.pairwise(markers) if b[0] > a[1]]
     return {"capture_s": (high - low) / 1e12 if low is not None else 0.0, "markers": markers,
+            "steps_per_marker": statistics.fmean(marker_steps) if marker_steps else 1.0,
+            "loops": loops and bool(host_steps), "window": window,
             "between_steps_input": _covered(_merge(fetches), gaps) if gaps and fetches else 0.0,
             "ops_busy": _covered(_merge(ops), markers) if host_steps and ops else None,
             "input_ops": input_ops, "device_ops": device_ops, "copies_ms": copies}
@@ -367,7 +405,13 @@ def analyze_worker(trace: Path, verbose: bool = False) -> dict[str, Any]:
         raise AnalysisError(f"cannot read {trace}: {exc.strerror}") from None
     if size < 1024:
         raise AnalysisError(f"{trace.name} is {size} bytes: an empty trace (the process was idle)")
-    with private_session(trace) as linked, quiet(verbose) as log_tail:
+    try:
+        line = timeline(trace)
+    except Exception as exc:  # an unreadable timeline must not hide what xprof could read
+        line = {"capture_s": 0.0, "markers": [], "ops_busy": None, "input_ops": set(), "device_ops": {},
+                "copies_ms": {}, "between_steps_input": 0.0, "steps_per_marker": 1.0, "loops": False,
+                "window": None, "error": f"{type(exc).__name__}: {exc}"}
+    with private_session(trace, hide_loops=line["loops"]) as linked, quiet(verbose) as log_tail:
         try:
             overview = _tool(linked, "overview_page")
             pipeline = _tool(linked, "input_pipeline_analyzer")
@@ -378,16 +422,18 @@ def analyze_worker(trace: Path, verbose: bool = False) -> dict[str, Any]:
         steps = steps_from_opstats(linked.parent)
     if steps is None:
         steps = steps_from_table(pipeline)
-    try:
-        line = timeline(trace)
-    except Exception as exc:  # an unreadable timeline must not hide what xprof could read
-        line = {"capture_s": 0.0, "markers": [], "ops_busy": None, "input_ops": set(), "device_ops": {},
-                "copies_ms": {}, "between_steps_input": 0.0, "error": f"{type(exc).__name__}: {exc}"}
+    per_marker = line["steps_per_marker"]  # xprof's steps are the markers: one execution of N steps each
+    if per_marker > 1:
+        steps = [{k: (v if k == "begin_ms" else v / per_marker) for k, v in s.items()} for s in steps]
     props = overview[1].get("p", {}) if len(overview) > 1 else {}
     facts: dict[str, Any] = {"host": host_of(trace), "trace": str(trace), "hardware": props.get("hardware_type", ""),
-                             "steps": len(steps), "capture_seconds": line["capture_s"],
-                             "xprof_conclusion": props.get("input_conclusion", "")}
-    facts["ops"] = ops_per_step(op_stats, pipeline, kernels, line, len(steps))
+                             "steps": round(len(steps) * per_marker), "capture_seconds": line["capture_s"],
+                             "window": line["window"], "xprof_conclusion": props.get("input_conclusion", "")}
+    if per_marker > 1:
+        facts["executions"] = len(steps)
+    if line["loops"]:
+        facts["loops_hidden"] = True
+    facts["ops"] = ops_per_step(op_stats, pipeline, kernels, line, facts["steps"])
     facts["copies_ms"] = line["copies_ms"]
     if steps:
         times = [s["step_ms"] for s in steps]
@@ -421,7 +467,8 @@ def _ratios(facts: dict[str, Any], steps: list[dict[str, float]], line: dict[str
         span = steps[-1]["begin_ms"] + steps[-1]["step_ms"] - steps[0]["begin_ms"]
         ratios["between_steps"] = 1 - sum(s["step_ms"] for s in steps) / span if span > 0 else None
     if line["capture_s"] and steps:
-        ratios["steps_cover"] = min(1.0, sum(s["step_ms"] for s in steps) / 1000 / line["capture_s"])
+        stepping_ms = sum(s["step_ms"] for s in steps) * line.get("steps_per_marker", 1.0)
+        ratios["steps_cover"] = min(1.0, stepping_ms / 1000 / line["capture_s"])
     if facts.get("breakdown") and facts["hardware"] not in ("CPU_ONLY", ""):
         ratios["device_idle"] = max(0.0, 1 - sum(facts["breakdown"][p] for p in DEVICE_PARTS))
     return ratios
@@ -504,6 +551,9 @@ def combine(workers: list[dict[str, Any]]) -> dict[str, Any]:
     timed = [w for w in workers if w.get("steps")]
     lead = max(timed, key=lambda w: w["cycle_ms"]) if timed else workers[0]
     result = {**lead, "workers": workers, "straggler": None, "trace": lead["trace"]}
+    windows = [w["window"] for w in workers if w.get("window")]
+    if len(windows) > 1:  # how far apart the workers' profiling sessions started (one window: milliseconds)
+        result["window_skew_ms"] = (max(a for a, _ in windows) - min(a for a, _ in windows)) / 1e6
     others = [w["cycle_ms"] for w in timed if w is not lead]
     if others and lead["cycle_ms"] >= STRAGGLER * statistics.median(others):
         def parts(w: dict[str, Any]) -> dict[str, float]:
@@ -619,15 +669,18 @@ def report(a: dict[str, Any]) -> str:
     lines += [f"bottleneck: {a['bottleneck']}", f"why: {a['summary']}", f"what to try: {a['recommendation']}"]
     workers = a.get("workers") or [a]
     if len(workers) > 1:
-        lines.append(f"workers: {len(workers)}" + (f"; straggler: {a['straggler']['why']}" if a.get("straggler")
-                                                    else "; no straggler"))
+        window = (f", traced over one window (sessions started {a['window_skew_ms']:.1f} ms apart)"
+                  if a.get("window_skew_ms") is not None else "")
+        lines.append(f"workers: {len(workers)}{window}" + (f"; straggler: {a['straggler']['why']}"
+                                                           if a.get("straggler") else "; no straggler"))
         for w in workers:
             step = f"{w['step_time_ms']['mean']:.2f} ms" if w.get("steps") else "no steps"
             lines.append(f"  {w['host']}: {step}, {w['bottleneck']}")
     lines.append(f"trace: {a['trace']}" + (f" ({a['hardware']})" if a.get("hardware") else ""))
     if a.get("steps"):
         st = a["step_time_ms"]
-        lines.append(f"steps: {a['steps']} in a {a['capture_seconds']:.2f} s capture, step time mean "
+        runs = f" in {a['executions']} executions (steps_per_execution)" if a.get("executions") else ""
+        lines.append(f"steps: {a['steps']}{runs} in a {a['capture_seconds']:.2f} s capture, step time mean "
                      f"{st['mean']:.2f} ms (stdev {st['stdev']:.2f}, min {st['min']:.2f}, max {st['max']:.2f})")
         lines.append("step breakdown (parts of the step, adding up to it):")
         for part, ms in sorted(a["breakdown_ms"].items(), key=lambda kv: -kv[1]):
@@ -663,6 +716,9 @@ def report(a: dict[str, Any]) -> str:
         lines.append(f"xprof says: {a['xprof_conclusion']}")
     if a.get("xprof_differs"):
         lines.append(f"why tfprofd differs: {a['xprof_differs']}")
+    if a.get("loops_hidden"):
+        lines.append("note: the trace has TensorFlow while loops (steps_per_execution > 1 runs its steps in one); "
+                     "xprof's own viewer takes their iterations for steps, tfprofd grouped by the step markers")
     capture = Path(a["trace"]).parent.parent.parent.parent
     if capture.name and Path(a["trace"]).parent.parent.name == "profile":
         lines.append(f"open in the viewer: xprof --logdir {capture} --port 8791 (xprof listens on every interface)")

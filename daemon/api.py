@@ -26,6 +26,7 @@ from .errors import (
     AmbiguousJob,
     BudgetSpent,
     CaptureBusy,
+    CaptureHeld,
     CoolingDown,
     DomainError,
     InvalidRequest,
@@ -42,7 +43,8 @@ log = logging.getLogger("tfprofd.api")
 CAPTURE_OPTIONS = {"host_tracer_level": (0, 3), "device_tracer_level": (0, 1), "python_tracer_level": (0, 1),
                    "delay_ms": (0, 60000)}
 STATUS: dict[type[DomainError], int] = {InvalidRequest: 400, AmbiguousJob: 400, NotFound: 404, CaptureBusy: 409,
-                                        CoolingDown: 409, BudgetSpent: 429, StorageError: 507}
+                                        CoolingDown: 409, CaptureHeld: 409, BudgetSpent: 429,
+                                        StorageError: 507}
 # Domain errors an Alertmanager retry can cure: the job may start reporting, the capture finish, the disk clear.
 RETRYABLE = (NoTrainingJob, CaptureBusy, StorageError)
 
@@ -245,7 +247,7 @@ class ControlApi:
             outcome["retry"].append({"alert": name, "why": exc.reason})
             log.info("alert %s: no capture yet (%s); Alertmanager will send it again", name, exc.reason)
             return
-        except (NoProfiler, BudgetSpent, CoolingDown) as exc:  # a retry would not help
+        except (NoProfiler, BudgetSpent, CoolingDown, CaptureHeld) as exc:  # a retry would not help
             if isinstance(exc, NoProfiler):
                 self.policy.remember_alert(key)
             outcome["ignored"].append({"alert": name, "why": exc.reason})

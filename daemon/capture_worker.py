@@ -82,6 +82,7 @@ def capture_server_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]
     options = {"host_tracer_level": request["host_tracer_level"],
                "device_tracer_level": request["device_tracer_level"],
                "python_tracer_level": request["python_tracer_level"], "delay_ms": request["delay_ms"]}
+    answering = [t for t in targets if _probe(t)]
     started = time.time()
     try:
         _pywrap_profiler_plugin.trace(",".join(targets), str(logdir), "", True, request["duration_ms"], 1, options)
@@ -91,6 +92,12 @@ def capture_server_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]
     elapsed = time.time() - started
     files = _traces(logdir)
     real = [f for f in files if not _is_empty(f.read_bytes())]
+    died = [t for t in answering if not _probe(t)] if len(real) < len(targets) else []
+    if died:
+        gone = f"{', '.join(died)}: {_REASON_WORDS['died']}"
+        reason = "partial" if real else "died"
+        detail = f"{len(real)} of {len(targets)} workers traced; {gone}" if real else gone
+        return {**_result("failed", reason, detail, logdir, started, real), "died": died}
     if real:
         status, reason = ("done", None) if len(real) >= len(targets) else ("failed", "partial")
         detail = f"{len(real)} trace file(s)" + ("" if status == "done" else f" for {len(targets)} targets")
@@ -106,8 +113,7 @@ def capture_server_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]
     if elapsed < max(2.0, request["duration_ms"] / 1000 / 2):
         return _result("failed", "busy", "the profiler server refused at once: another profiling session is "
                        "probably active in that process (TensorFlow allows one at a time: a Keras TensorBoard "
-                       f"callback with profile_batch, or another capture). xprof's client said: {error}",
-                       logdir, started)
+                       "callback with profile_batch, or another capture)", logdir, started)
     return _result("failed", "not_a_profiler", f"the port is open but no trace came back in {elapsed:.0f}s: "
                    f"is it a TensorFlow profiler server? (client said: {error})", logdir, started)
 
@@ -127,7 +133,9 @@ def failure_reason(code_name: str, detail: str) -> str:
     """The reason a gRPC failure stands for, from its status code and the server's words."""
     if "Another profil" in detail or code_name == "ALREADY_EXISTS":
         return "busy"  # TensorFlow allows one profiling session per process
-    return {"UNAVAILABLE": "no_server", "DEADLINE_EXCEEDED": "timeout", "UNIMPLEMENTED": "not_a_profiler",
+    if code_name == "UNAVAILABLE":  # refused: nothing listens; closed or reset mid-call: the process went away
+        return "no_server" if "connect" in detail.lower() else "died"
+    return {"DEADLINE_EXCEEDED": "timeout", "UNIMPLEMENTED": "not_a_profiler",
             "RESOURCE_EXHAUSTED": "too_large"}.get(code_name, "error")
 
 
@@ -135,6 +143,8 @@ _REASON_WORDS = {
     "busy": "another profiling session is active in that process (TensorFlow allows one at a time: a Keras "
             "TensorBoard callback with profile_batch, or another capture)",
     "no_server": "nothing answers there: the process has no profiler server or exited",
+    "died": "the process stopped answering during the capture: it exited or crashed (TensorFlow's profiler can "
+            "crash the non-chief workers of a MultiWorkerMirroredStrategy job: README, Known issues)",
     "timeout": "no answer before the deadline",
     "not_a_profiler": "the port answers gRPC but is no TensorFlow profiler server",
     "too_large": "the trace is larger than captures.max_trace_bytes",
@@ -195,7 +205,8 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
     detail = "; ".join(str(d) for _, d in failures)
     if reason == "partial":
         detail = f"{len(files)} of {len(targets)} workers traced; {detail}"
-    return _result("failed", reason, detail, logdir, started, files)
+    died = [t for t, (outcome, _) in zip(targets, answers, strict=True) if outcome == "died"]
+    return {**_result("failed", reason, detail, logdir, started, files), "died": died}
 
 
 def main() -> int:

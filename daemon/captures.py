@@ -87,7 +87,7 @@ class CaptureService:
               gpu: str | None = None, cooldown: float = 0.0) -> CaptureRecord:
         s = self.settings()
         budget = None if trigger == "baseline" else s.max_per_hour  # baselines keep their own schedule
-        admission = self.policy.admit(targets, budget, rule=rule, cooldown=cooldown)
+        admission = self.policy.admit(targets, budget, rule=rule, cooldown=cooldown, automatic=trigger != "manual")
         now = self.clock.time()
         rate, batch = self.jobs.throughput(targets[0].job)
         record = CaptureRecord(id=new_id(now), trigger=trigger, job=targets[0].job,
@@ -160,6 +160,12 @@ class CaptureService:
             log.info("capture %s done: %d file(s) in %s", record.id, len(record.files), record.directory)
         else:
             log.warning("capture %s failed: %s: %s", record.id, record.reason, record.detail)
+        if result.get("died"):
+            hold = self.settings().hold
+            self.policy.hold(record.job, hold)
+            log.warning("capture %s: process(es) at %s of job %s died during the capture%s", record.id,
+                        ", ".join(result["died"]), record.job,
+                        f"; no automatic capture of the job for {hold:.0f}s (captures.hold)" if hold else "")
 
     def _analyze(self, record: CaptureRecord) -> None:
         """Analyse the trace in a worker process (xprof needs 200-450 MB the agent must not hold)."""
@@ -265,6 +271,9 @@ class CaptureService:
                       ["trigger", "status"], (([t, s], n) for (t, s), n in sorted(counts.items())))
         yield gauge("captures_running", "Captures in progress (tracing or being analysed).", [],
                     [((), sum(1 for r in records if r.status in ACTIVE))])
+        yield gauge("capture_held_seconds", "Seconds left before automatic captures of the job run again (a process "
+                    "of it died during a capture; captures.hold).", ["training_job"],
+                    (([job], left) for job, left in sorted(self.policy.held().items())))
         last: dict[str, float] = {}
         latest: dict[str, CaptureRecord] = {}
         for r in sorted(records, key=lambda r: r.requested_at):

@@ -81,6 +81,10 @@ class CaptureSettings:
                             "capture's duration.", minimum=5, maximum=3600)
     max_per_hour: int = option(12, opt.parse_int, "At most this many captures start in any hour.", minimum=0,
                                maximum=3600)
+    hold: float = option(24 * 3600.0, opt.parse_duration, "After a capture during which a process of the job died "
+                         "(TensorFlow's profiler can crash multi-worker jobs), no automatic capture (rule, alert, "
+                         "baseline) of that job for this long; manual ones still run. 0 turns this off.",
+                         minimum=0, maximum=30 * 86400)
     keep: int = option(50, opt.parse_int, "Keep at most this many finished captures (oldest deleted first).",
                        minimum=1, maximum=100000)
     max_bytes: int = option(2 * 1024**3, opt.parse_int, "Keep at most this many bytes of captures (oldest "

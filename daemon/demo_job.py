@@ -177,7 +177,7 @@ def main() -> None:
         else:
             m.fit(ds, epochs=args.epochs, callbacks=[callback, *extra], verbose=0)
         reporter = callback.reporter
-        steps, samples = reporter.exact_counts()
+        steps, samples, _ = reporter.report_counts()
     else:
         reporter = Reporter.shared(job=args.job)
         train_step = train_step_function(m)

@@ -47,5 +47,9 @@ class CoolingDown(DomainError):
     """The rule captured this target less than its cooldown ago."""
 
 
+class CaptureHeld(DomainError):
+    """A worker of the job died during one of its captures: automatic captures of it wait (captures.hold)."""
+
+
 class StorageError(DomainError):
     """The agent cannot write its state (full disk, permissions)."""

@@ -1,9 +1,9 @@
 """The capture policy: the one place that says whether a capture may start now.
 
 It owns the processes being captured (one capture per process at a time), the cooldown of each
-(rule, target), the hourly budget, and the alerts already handled (persisted, so an agent restart does
-not capture an alert twice). All times are monotonic, except the alert ledger's, which must survive a
-restart.
+(rule, target), the hourly budget, the jobs held from automatic captures after a process died during
+one, and the alerts already handled (persisted, so an agent restart does not capture an alert twice).
+All times are monotonic, except the alert ledger's, which must survive a restart.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tfprofd.exporter.base import Clock
 
-from .errors import BudgetSpent, CaptureBusy, CoolingDown
+from .errors import BudgetSpent, CaptureBusy, CaptureHeld, CoolingDown
 from .jobs import Target
 from .records import read_nofollow, set_aside, write_private
 
@@ -43,20 +43,27 @@ class CapturePolicy:
         self._busy: set[str] = set()
         self._started: deque[float] = deque()
         self._cooldown_until: dict[tuple[str, frozenset[str]], float] = {}
+        self._held_until: dict[str, float] = {}  # job -> monotonic end of its hold
         self._lock = threading.Lock()
         self._alerts_path = alerts_path
         self._alerts: OrderedDict[str, float] = self._load_alerts()
 
     def admit(self, targets: Sequence[Target], max_per_hour: int | None, rule: str | None = None,
-              cooldown: float = 0.0) -> Admission:
-        """Raises CaptureBusy, CoolingDown or BudgetSpent; checks and books in one step. ``max_per_hour`` None:
-        outside the hourly budget (baselines, which keep a schedule of their own)."""
+              cooldown: float = 0.0, automatic: bool = False) -> Admission:
+        """Raises CaptureBusy, CaptureHeld, CoolingDown or BudgetSpent; checks and books in one step.
+        ``max_per_hour`` None: outside the hourly budget (baselines, which keep a schedule of their own).
+        ``automatic``: asked by a rule, an alert or the baseline schedule, not by a person."""
         addresses = frozenset(t.address for t in targets)
+        job = targets[0].job if targets else ""
         now = self.clock.monotonic()
         with self._lock:
             busy = sorted(addresses & self._busy)
             if busy:
                 raise CaptureBusy(f"a capture of {', '.join(busy)} is already running")
+            held = self._held_until.get(job, -math.inf) - now
+            if automatic and held > 0:
+                raise CaptureHeld(f"a process of job {job} died during its last capture: no automatic capture "
+                                  f"of it for {held:.0f}s more (captures.hold); a manual capture still runs")
             key = (rule, addresses) if rule else None
             if key is not None and now < self._cooldown_until.get(key, -math.inf):
                 raise CoolingDown(f"rule {rule} captured {', '.join(sorted(addresses))} less than its cooldown "
@@ -82,6 +89,20 @@ class CapturePolicy:
                     self._started.remove(admission.started)
                 except ValueError:
                     pass
+
+    def hold(self, job: str, seconds: float) -> None:
+        """No automatic capture of ``job`` for ``seconds`` (a process of it died during a capture)."""
+        with self._lock:
+            now = self.clock.monotonic()
+            self._held_until = {j: t for j, t in self._held_until.items() if t > now}
+            if seconds > 0:
+                self._held_until[job] = now + seconds
+
+    def held(self) -> dict[str, float]:
+        """Jobs held from automatic captures, with the seconds left."""
+        now = self.clock.monotonic()
+        with self._lock:
+            return {job: until - now for job, until in self._held_until.items() if until > now}
 
     def busy(self) -> frozenset[str]:
         with self._lock:

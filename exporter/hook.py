@@ -173,19 +173,22 @@ class Reporter:
         # Counters, updated on the training thread.
         self.steps = 0
         self.samples = 0
+        self.skipped = 0  # steps whose update a loss-scale optimizer skipped (mixed precision overflows)
         self.epoch = 0
         self.phase = "idle"
         self.step_time_sum = 0.0
         self.step_buckets = [0] * len(STEP_BUCKETS)  # per-bucket (not cumulative) counts; +Inf = steps
         self.first_step_seconds: float | None = None
-        # Optional exact counters read on the background thread (set by the Keras callback).
-        self.exact_counts: Callable[[], tuple[int, int]] | None = None
+        # Optional exact (steps, samples, skipped) read on the background thread (set by the Keras callback).
+        self.exact_counts: Callable[[], tuple[int, int, int]] | None = None
         self._seq = 0
+        self._reported_samples = self._reported_skipped = 0
         self._sock, self._dest = _open_target(self.target)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._send_lock = threading.Lock()
         self._trace: Any = None
+        self._trace_class: Any = None  # TensorFlow's Trace, once TensorFlow is loaded
         self._step_started = 0.0
         self._in_step = False
         self._last_step_end = 0.0
@@ -249,13 +252,19 @@ class Reporter:
         if index < len(self.step_buckets):
             self.step_buckets[index] += steps
 
-    def begin_step(self) -> None:
-        """Mark the start of a step (with a profiler step marker when TensorFlow is loaded)."""
+    def begin_step(self, steps: int = 1) -> None:
+        """Mark the start of a step, or of ``steps`` steps run as one (Keras's steps_per_execution), with a
+        profiler step marker when TensorFlow is loaded; the marker says how many steps it covers."""
         self._in_step = True
         self._step_num += 1
-        if self.step_markers and "tensorflow" in sys.modules:
-            self._trace = _trace_class()("train", step_num=self._step_num, _r=1)
-            self._trace.__enter__()
+        if self.step_markers:
+            if self._trace_class is None and "tensorflow" in sys.modules:
+                self._trace_class = _trace_class()
+            if self._trace_class is not None:  # a no-op object unless a profiling session is active
+                if steps == 1:
+                    self._trace = self._trace_class("train", step_num=self._step_num, _r=1)
+                else:
+                    self._trace = self._trace_class("train", step_num=self._step_num, _r=1, steps=steps)
         self._step_started = time.perf_counter()
 
     def end_step(self, steps: int = 1, samples: int | None = None) -> None:
@@ -277,13 +286,21 @@ class Reporter:
 
     # ---- reporting ----
 
-    def report(self) -> dict[str, Any]:
-        steps, samples = self.steps, self.samples
+    def report_counts(self) -> tuple[int, int, int]:
+        """(steps, samples, skipped steps) as the next report will say."""
         if self.exact_counts is not None:
             try:
-                steps, samples = self.exact_counts()
+                return self.exact_counts()
             except Exception:  # keep the hook's own counts if TensorFlow cannot be read right now
                 pass
+        return self.steps, self.samples, self.skipped
+
+    def report(self) -> dict[str, Any]:
+        steps, samples, skipped = self.report_counts()
+        # Counters never go back (the agent would drop the report): a count read while a step runs can
+        # be ahead of the steps the batch hooks saw.
+        samples = self._reported_samples = max(samples, self._reported_samples)
+        skipped = self._reported_skipped = max(skipped, self._reported_skipped)
         self._seq += 1
         cumulative, running = [], 0
         for count in self.step_buckets:
@@ -292,7 +309,7 @@ class Reporter:
         return {
             "v": SCHEMA_VERSION, "job": self.job, "worker": self.worker, "pid": self.pid, "seq": self._seq,
             "time": time.time(), "process_start": self.process_start, "phase": self.phase, "epoch": self.epoch,
-            "steps": steps, "samples": samples, "batch_size": self.batch_size,
+            "steps": steps, "samples": samples, "skipped_steps": skipped, "batch_size": self.batch_size,
             "step_seconds": {"count": self.steps, "sum": self.step_time_sum, "buckets": cumulative},
             "first_step_seconds": self.first_step_seconds, "profiler": self.profiler_address,
         }
@@ -337,17 +354,108 @@ def _trace_class() -> Any:
     return Trace
 
 
+class _SampleCounter:
+    """Counts the samples a Keras model trains on, per worker, as cheaply as exactness allows.
+
+    The model's train step is wrapped once. Where the batch dimension is known when TensorFlow traces the
+    step (``drop_remainder=True``, fixed-size inputs), every step has that many samples per replica and
+    the graph gets no extra op. Otherwise the step adds its real batch size, and a count of replica-steps,
+    to a sum-on-read variable; the agent-facing thread reads only this worker's own components of it
+    (``experimental_local_results``), so no cross-worker all-reduce is ever issued by the hook.
+    """
+
+    def __init__(self, model: Any, tf: Any):
+        self.tf = tf
+        strategy = model.distribute_strategy
+        self.strategy = strategy
+        try:
+            self.local_replicas = len(strategy.extended.worker_devices)
+        except (AttributeError, RuntimeError, NotImplementedError):  # the default strategy has no devices list
+            self.local_replicas = 1
+        with strategy.scope():
+            self.variable = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name="tfprofd_samples",
+                                        synchronization=tf.VariableSynchronization.ON_READ,
+                                        aggregation=tf.VariableAggregation.SUM)
+        self.static_batch: int | None = None  # per-replica batch of the traces that need no op
+        original = model.train_step
+
+        def train_step(data: Any) -> Any:
+            batch = tf.nest.flatten(data)[0].shape[0]  # at trace time: an int if static, else None
+            if batch is not None and self.static_batch in (None, batch):
+                self.static_batch = batch
+            else:  # a batch size only known when the step runs: count it in the graph
+                first = tf.nest.flatten(data)[0]
+                self.variable.assign_add(tf.stack([tf.shape(first, out_type=tf.int64)[0],
+                                                   tf.constant(1, tf.int64)]))
+            return original(data)
+
+        model.train_step = train_step
+        model.make_train_function(force=True)
+
+    @classmethod
+    def of(cls, model: Any, tf: Any) -> _SampleCounter:
+        """The model's counter, made (and its train step wrapped) on first use."""
+        counter = getattr(model, "_tfprofd_counter", None)
+        if counter is None:
+            counter = cls(model, tf)
+            model._tfprofd_counter = counter
+        return counter
+
+    def read(self) -> tuple[int, int]:
+        """(samples, replica-steps) counted in the graph on this worker, its local replicas summed."""
+        samples = replica_steps = 0
+        for component in self.strategy.experimental_local_results(self.variable):
+            a, b = component.numpy()
+            samples += int(a)
+            replica_steps += int(b)
+        return samples, replica_steps
+
+    def samples(self, counted: tuple[int, int], steps: int) -> int:
+        """Samples of ``steps`` executed steps, given what the graph counted over them."""
+        samples, replica_steps = counted
+        uncounted = max(0, steps * self.local_replicas - replica_steps)  # replica-steps of static traces
+        return samples + uncounted * (self.static_batch or 0)
+
+
+def _steps_per_execution(model: Any) -> int:
+    value = getattr(model, "steps_per_execution", 1) or 1  # an int in Keras 3, a variable in tf_keras
+    return int(value.numpy()) if hasattr(value, "numpy") else int(value)
+
+
+def _loss_scaled(optimizer: Any) -> bool:
+    """Whether the optimizer may skip a step (a mixed-precision loss-scale optimizer)."""
+    return any(c.__name__.startswith("LossScaleOptimizer") for c in type(optimizer).__mro__)
+
+
 def _make_callback_class() -> type:
-    import keras
+    try:
+        import keras
+    except ImportError:  # tf_keras alone
+        import tf_keras as keras
     import tensorflow as tf
 
     class TfprofdCallback(keras.callbacks.Callback):
-        """Keras callback reporting exact steps and samples, step times and phase to the tfprofd agent.
+        """Keras callback reporting exact steps, samples, step times and phase to the tfprofd agent.
 
-        Steps come from the optimizer's ``iterations`` (exact with ``steps_per_execution > 1``). Samples are
-        ``steps * batch_size`` when ``batch_size`` is given, else the real batch sizes, counted inside
-        the train step (partial last batches included).
+        Works with Keras 3 and with tf_keras (Keras 2, ``TF_USE_LEGACY_KERAS=1``), on one process or
+        every worker of a multi-worker strategy (each reports its own counts). Steps are the batches the
+        train step executed (steps_per_execution > 1 included); ``skipped_steps`` are those whose update a
+        mixed-precision loss-scale optimizer skipped after an overflow (Keras 3). Samples are
+        ``steps * batch_size`` when ``batch_size`` is given, else the real batch sizes (see _SampleCounter).
         """
+
+        # tf_keras's CallbackList asks its callbacks these; Keras 3's base class has none of them.
+        _supports_tf_logs = True  # logs are never read: tf_keras need not turn them into numbers each batch
+        _chief_worker_only = False  # every worker reports its own counts
+
+        def _implements_train_batch_hooks(self) -> bool:
+            return True
+
+        def _implements_test_batch_hooks(self) -> bool:
+            return False
+
+        def _implements_predict_batch_hooks(self) -> bool:
+            return False
 
         def __init__(self, job: str | None = None, batch_size: int | None = None, worker: str | None = None,
                      addr: str | None = None, profiler: bool | None = None, profiler_port: int | None = None,
@@ -356,11 +464,13 @@ def _make_callback_class() -> type:
             self.reporter = Reporter.shared(job=job, worker=worker, batch_size=batch_size, addr=addr,
                                             interval=interval, profiler=profiler, profiler_port=profiler_port,
                                             step_markers=step_markers)
-            self._samples_var: Any = None
-            self._samples_var_base = 0
+            self._counter: _SampleCounter | None = None
+            self._base = (0, 0, 0)  # steps, samples, skipped reported before this fit()
+            self._counted_base = (0, 0)
             self._iterations_base = 0
-            self._steps_base = 0
-            self._samples_base = 0
+            self._loss_scaled = False
+            self._execution = 1
+            self._epoch_steps: int | None = None
             self._last_batch = -1
             self._in_fit = False
             # Report from now on, before the first step: the agent sees slow initialization.
@@ -369,43 +479,29 @@ def _make_callback_class() -> type:
         def _iterations(self) -> int:
             return int(self.model.optimizer.iterations.numpy())
 
-        def _real_batch_counter(self) -> Any:
-            """A variable the model's train step adds each real batch size to (one per model, reused)."""
-            counter = getattr(self.model, "_tfprofd_samples", None)
-            if counter is not None:
-                return counter
-            with tf.distribute.get_strategy().scope():
-                counter = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                      synchronization=tf.VariableSynchronization.ON_READ,
-                                      aggregation=tf.VariableAggregation.SUM)
-            original = self.model.train_step
-
-            def train_step(data: Any) -> Any:
-                first = tf.nest.flatten(data)[0]
-                counter.assign_add(tf.shape(first, out_type=tf.int64)[0])
-                return original(data)
-
-            self.model.train_step = train_step
-            self.model.make_train_function(force=True)
-            self.model._tfprofd_samples = counter
-            return counter
-
-        def _exact(self) -> tuple[int, int]:
-            steps = self._steps_base + self._iterations() - self._iterations_base
-            if self._samples_var is not None:
-                samples = self._samples_base + int(self._samples_var.numpy()) - self._samples_var_base
+        def _exact(self) -> tuple[int, int, int]:
+            """(steps, samples, skipped) so far; called on the reporter's thread."""
+            r, (steps_before, samples_before, skipped_before) = self.reporter, self._base
+            steps = r.steps - steps_before  # executed in this fit(), counted by the batch hooks
+            if self._counter is not None:
+                counted = self._counter.read()
+                delta = (counted[0] - self._counted_base[0], counted[1] - self._counted_base[1])
+                samples = self._counter.samples(delta, steps)
             else:
-                samples = steps * (self.reporter.batch_size or 0)
-            return steps, samples
+                samples = steps * (r.batch_size or 0)
+            skipped = max(0, steps - (self._iterations() - self._iterations_base)) if self._loss_scaled else 0
+            return r.steps, samples_before + samples, skipped_before + skipped
 
         def on_train_begin(self, logs: Any = None) -> None:
             r = self.reporter
-            steps, samples = (r.exact_counts() if r.exact_counts else (r.steps, r.samples))
-            self._steps_base, self._samples_base = steps, samples  # earlier fit() calls carry over
-            self._iterations_base = self._iterations()
-            if r.batch_size is None:
-                self._samples_var = self._real_batch_counter()
-                self._samples_var_base = int(self._samples_var.numpy())
+            r.exact_counts = None
+            self._base = r.report_counts()  # earlier fit() calls carry over
+            self._counter = _SampleCounter.of(self.model, tf) if r.batch_size is None else None
+            self._counted_base = self._counter.read() if self._counter is not None else (0, 0)
+            optimizer = getattr(self.model, "optimizer", None)
+            self._loss_scaled = optimizer is not None and _loss_scaled(optimizer)
+            self._iterations_base = self._iterations() if self._loss_scaled else 0
+            self._execution = _steps_per_execution(self.model)
             r.exact_counts = self._exact
             r.phase = "train"
             self._in_fit = True
@@ -415,11 +511,20 @@ def _make_callback_class() -> type:
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
             self.reporter.epoch = epoch
             self._last_batch = -1
+            self._epoch_steps = (self.params or {}).get("steps")
+
+        def _steps_in(self, batch: int) -> int:
+            """Steps one execution starting at ``batch`` runs (the last of an epoch may run fewer)."""
+            if self._epoch_steps:
+                return max(1, min(self._execution, self._epoch_steps - batch))
+            return self._execution
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-            self.reporter.begin_step()
+            self.reporter.begin_step(self._steps_in(batch) if self._execution > 1 else 1)
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            if self._epoch_steps:
+                batch = min(batch, self._epoch_steps - 1)  # Keras 3 reports the last execution's full span
             steps = batch - self._last_batch  # batch hooks fire once per steps_per_execution steps
             self._last_batch = batch
             self.reporter.end_step(steps if steps > 0 else 1, 0)
@@ -438,8 +543,11 @@ def _make_callback_class() -> type:
 
         def on_train_end(self, logs: Any = None) -> None:
             self._in_fit = False
-            self.reporter.phase = "idle"
-            self.reporter.flush()  # the exact final counts, not the last periodic report
+            r = self.reporter
+            r.phase = "idle"
+            _, r.samples, r.skipped = r.report_counts()  # the exact totals, kept after this fit()
+            r.exact_counts = None
+            r.flush()  # the exact final counts, not the last periodic report
 
     return TfprofdCallback
 

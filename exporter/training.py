@@ -71,6 +71,7 @@ class Report:
     epoch: int
     steps: int
     samples: int
+    skipped_steps: int
     batch_size: int | None
     step_count: int
     step_sum: float
@@ -177,6 +178,7 @@ def parse_report(payload: bytes, max_bytes: int) -> Report:
         job=_name(data, "job"), worker=_name(data, "worker"), pid=pid, seq=_int(data, "seq"),
         time=_float(data, "time"), process_start=_float(data, "process_start"), phase=phase,
         epoch=_int(data, "epoch"), steps=_int(data, "steps"), samples=_int(data, "samples"),
+        skipped_steps=_int(data, "skipped_steps", optional=True) or 0,
         batch_size=_int(data, "batch_size", optional=True), step_count=step_count,
         step_sum=_float(step, "sum"), step_buckets=tuple(buckets),
         first_step_seconds=_float(data, "first_step_seconds", optional=True), profiler=profiler,
@@ -239,17 +241,29 @@ def check_profiler(report: Report, sender: Sender, env: Environment) -> str | No
 
 # ---- state ----
 
-Counts = tuple[int, int, int, float, tuple[int, ...]]  # steps, samples, step count, step sum, buckets
-_ZERO: Counts = (0, 0, 0, 0.0, (0,) * len(STEP_BUCKETS))
+@dataclass(frozen=True)
+class Counts:
+    """A process's (or a job's summed) cumulative counters."""
+
+    steps: int = 0
+    samples: int = 0
+    skipped: int = 0
+    step_count: int = 0
+    step_sum: float = 0.0
+    buckets: tuple[int, ...] = (0,) * len(STEP_BUCKETS)
+
+    def plus(self, other: Counts, sign: int = 1) -> Counts:
+        return Counts(self.steps + sign * other.steps, self.samples + sign * other.samples,
+                      self.skipped + sign * other.skipped, self.step_count + sign * other.step_count,
+                      self.step_sum + sign * other.step_sum,
+                      tuple(x + sign * y for x, y in zip(self.buckets, other.buckets, strict=True)))
+
+
+_ZERO = Counts()
 
 
 def _counts(r: Report) -> Counts:
-    return r.steps, r.samples, r.step_count, r.step_sum, r.step_buckets
-
-
-def _add(a: Counts, b: Counts, sign: int = 1) -> Counts:
-    return (a[0] + sign * b[0], a[1] + sign * b[1], a[2] + sign * b[2], a[3] + sign * b[3],
-            tuple(x + sign * y for x, y in zip(a[4], b[4], strict=True)))
+    return Counts(r.steps, r.samples, r.skipped_steps, r.step_count, r.step_sum, r.step_buckets)
 
 
 ProcessKey = tuple[str, int, float]  # origin, pid, process start
@@ -278,7 +292,7 @@ class JobState:
     def totals(self) -> Counts:
         total = self.folded
         for p in self.processes.values():
-            total = _add(total, _counts(p.latest))
+            total = total.plus(_counts(p.latest))
         return total
 
 
@@ -509,7 +523,7 @@ class TrainingCollector(Collector):
             profiler = check_profiler(report, sender, self.env)
             folded = job.folded_by.pop(key, None)
             if folded is not None:  # a process we took for gone reports again: take its counts back out
-                job.folded = _add(job.folded, folded, -1)
+                job.folded = job.folded.plus(folded, -1)
             if series not in self.jobs:
                 self.jobs[series] = job
             job.processes[key] = ProcessState(key, report, now, profiler)
@@ -520,6 +534,7 @@ class TrainingCollector(Collector):
             if report.seq <= previous.seq:
                 raise Rejected("stale", f"seq {report.seq} after {previous.seq}")
             if (report.steps < previous.steps or report.samples < previous.samples
+                    or report.skipped_steps < previous.skipped_steps
                     or report.step_count < previous.step_count or report.step_sum < previous.step_sum
                     or any(a < b for a, b in zip(report.step_buckets, previous.step_buckets, strict=True))):
                 raise Rejected("counter_decreased", f"counters went backwards within pid {report.pid}")
@@ -573,7 +588,7 @@ class TrainingCollector(Collector):
                 if process is None:
                     continue
                 counts = _counts(process.latest)
-                job.folded = _add(job.folded, counts)
+                job.folded = job.folded.plus(counts)
                 job.folded_by[key] = counts
                 while len(job.folded_by) > FOLDED_KEPT:
                     job.folded_by.popitem(last=False)
@@ -663,10 +678,13 @@ class TrainingCollector(Collector):
                     ((r.key, 1.0 if r.up else 0.0) for r in rows))
         yield gauge("training_processes", "Number of processes reporting for the training job.", labels,
                     ((r.key, r.processes) for r in rows))
-        yield counter("training_steps", "Total training steps the job has run.", labels,
-                      ((r.key, r.totals[0]) for r in rows))
+        yield counter("training_steps", "Total training steps (batches) the job has run.", labels,
+                      ((r.key, r.totals.steps) for r in rows))
         yield counter("training_samples", "Total training samples (examples) the job has processed.", labels,
-                      ((r.key, r.totals[1]) for r in rows))
+                      ((r.key, r.totals.samples) for r in rows))
+        yield counter("training_skipped_steps", "Total training steps whose update a mixed-precision loss-scale "
+                      "optimizer skipped after a gradient overflow (Keras 3).", labels,
+                      ((r.key, r.totals.skipped) for r in rows))
         yield gauge("training_samples_per_second", "Training throughput of the job's processes, summed, between "
                     "their last two reports (absent while none trains).", labels,
                     ((r.key, r.rate) for r in rows if r.rate is not None))
@@ -685,9 +703,9 @@ class TrainingCollector(Collector):
         histogram = HistogramMetricFamily(PREFIX + "training_step_duration_seconds",
                                           "Duration of training steps as the hook measured them.", labels=labels)
         for r in rows:
-            buckets = [(repr(bound), float(c)) for bound, c in zip(STEP_BUCKETS, r.totals[4], strict=True)]
-            buckets.append(("+Inf", float(r.totals[2])))
-            histogram.add_metric(list(r.key), buckets, r.totals[3])
+            buckets = [(repr(bound), float(c)) for bound, c in zip(STEP_BUCKETS, r.totals.buckets, strict=True)]
+            buckets.append(("+Inf", float(r.totals.step_count)))
+            histogram.add_metric(list(r.key), buckets, r.totals.step_sum)
         yield histogram
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tfprofd/daemon/protos/xplane.proto\x12\x0etfprofd.xplane\"C\n\x06XSpace\x12&\n\x06planes\x18\x01 \x03(\x0b\x32\x16.tfprofd.xplane.XPlane\x12\x11\n\thostnames\x18\x04 \x03(\t\"\xf6\x02\n\x06XPlane\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12$\n\x05lines\x18\x03 \x03(\x0b\x32\x15.tfprofd.xplane.XLine\x12\x41\n\x0e\x65vent_metadata\x18\x04 \x03(\x0b\x32).tfprofd.xplane.XPlane.EventMetadataEntry\x12?\n\rstat_metadata\x18\x05 \x03(\x0b\x32(.tfprofd.xplane.XPlane.StatMetadataEntry\x1aT\n\x12\x45ventMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12-\n\x05value\x18\x02 \x01(\x0b\x32\x1e.tfprofd.xplane.XEventMetadata:\x02\x38\x01\x1aR\n\x11StatMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.tfprofd.xplane.XStatMetadata:\x02\x38\x01\"_\n\x05XLine\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0ctimestamp_ns\x18\x03 \x01(\x03\x12&\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x16.tfprofd.xplane.XEvent\"k\n\x06XEvent\x12\x13\n\x0bmetadata_id\x18\x01 \x01(\x03\x12\x11\n\toffset_ps\x18\x02 \x01(\x03\x12\x13\n\x0b\x64uration_ps\x18\x03 \x01(\x03\x12$\n\x05stats\x18\x04 \x03(\x0b\x32\x15.tfprofd.xplane.XStat\"p\n\x05XStat\x12\x13\n\x0bmetadata_id\x18\x01 \x01(\x03\x12\x14\n\x0c\x64ouble_value\x18\x02 \x01(\x01\x12\x14\n\x0cuint64_value\x18\x03 \x01(\x04\x12\x13\n\x0bint64_value\x18\x04 \x01(\x03\x12\x11\n\tstr_value\x18\x05 \x01(\t\"*\n\x0eXEventMetadata\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\")\n\rXStatMetadata\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tfprofd/daemon/protos/xplane.proto\x12\x0etfprofd.xplane\"e\n\x06XSpace\x12&\n\x06planes\x18\x01 \x03(\x0b\x32\x16.tfprofd.xplane.XPlane\x12\x0e\n\x06\x65rrors\x18\x02 \x03(\t\x12\x10\n\x08warnings\x18\x03 \x03(\t\x12\x11\n\thostnames\x18\x04 \x03(\t\"\x9c\x03\n\x06XPlane\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12$\n\x05lines\x18\x03 \x03(\x0b\x32\x15.tfprofd.xplane.XLine\x12\x41\n\x0e\x65vent_metadata\x18\x04 \x03(\x0b\x32).tfprofd.xplane.XPlane.EventMetadataEntry\x12?\n\rstat_metadata\x18\x05 \x03(\x0b\x32(.tfprofd.xplane.XPlane.StatMetadataEntry\x12$\n\x05stats\x18\x06 \x03(\x0b\x32\x15.tfprofd.xplane.XStat\x1aT\n\x12\x45ventMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12-\n\x05value\x18\x02 \x01(\x0b\x32\x1e.tfprofd.xplane.XEventMetadata:\x02\x38\x01\x1aR\n\x11StatMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.tfprofd.xplane.XStatMetadata:\x02\x38\x01\"\xb6\x01\n\x05XLine\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x12\n\ndisplay_id\x18\n \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x0b \x01(\t\x12\x14\n\x0ctimestamp_ns\x18\x03 \x01(\x03\x12\x13\n\x0b\x64uration_ps\x18\t \x01(\x03\x12&\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x16.tfprofd.xplane.XEventJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\t\"\x90\x01\n\x06XEvent\x12\x13\n\x0bmetadata_id\x18\x01 \x01(\x03\x12\x13\n\toffset_ps\x18\x02 \x01(\x03H\x00\x12\x19\n\x0fnum_occurrences\x18\x05 \x01(\x03H\x00\x12\x13\n\x0b\x64uration_ps\x18\x03 \x01(\x03\x12$\n\x05stats\x18\x04 \x03(\x0b\x32\x15.tfprofd.xplane.XStatB\x06\n\x04\x64\x61ta\"\xad\x01\n\x05XStat\x12\x13\n\x0bmetadata_id\x18\x01 \x01(\x03\x12\x16\n\x0c\x64ouble_value\x18\x02 \x01(\x01H\x00\x12\x16\n\x0cuint64_value\x18\x03 \x01(\x04H\x00\x12\x15\n\x0bint64_value\x18\x04 \x01(\x03H\x00\x12\x13\n\tstr_value\x18\x05 \x01(\tH\x00\x12\x15\n\x0b\x62ytes_value\x18\x06 \x01(\x0cH\x00\x12\x13\n\tref_value\x18\x07 \x01(\x04H\x00\x42\x07\n\x05value\"\x8a\x01\n\x0eXEventMetadata\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x04 \x01(\t\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\x12$\n\x05stats\x18\x05 \x03(\x0b\x32\x15.tfprofd.xplane.XStat\x12\x10\n\x08\x63hild_id\x18\x06 \x03(\x03\">\n\rXStatMetadata\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,21 +36,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_XPLANE_STATMETADATAENTRY']._loaded_options = None
   _globals['_XPLANE_STATMETADATAENTRY']._serialized_options = b'8\001'
   _globals['_XSPACE']._serialized_start=54
-  _globals['_XSPACE']._serialized_end=121
-  _globals['_XPLANE']._serialized_start=124
-  _globals['_XPLANE']._serialized_end=498
-  _globals['_XPLANE_EVENTMETADATAENTRY']._serialized_start=330
-  _globals['_XPLANE_EVENTMETADATAENTRY']._serialized_end=414
-  _globals['_XPLANE_STATMETADATAENTRY']._serialized_start=416
-  _globals['_XPLANE_STATMETADATAENTRY']._serialized_end=498
-  _globals['_XLINE']._serialized_start=500
-  _globals['_XLINE']._serialized_end=595
-  _globals['_XEVENT']._serialized_start=597
-  _globals['_XEVENT']._serialized_end=704
-  _globals['_XSTAT']._serialized_start=706
-  _globals['_XSTAT']._serialized_end=818
-  _globals['_XEVENTMETADATA']._serialized_start=820
-  _globals['_XEVENTMETADATA']._serialized_end=862
-  _globals['_XSTATMETADATA']._serialized_start=864
-  _globals['_XSTATMETADATA']._serialized_end=905
+  _globals['_XSPACE']._serialized_end=155
+  _globals['_XPLANE']._serialized_start=158
+  _globals['_XPLANE']._serialized_end=570
+  _globals['_XPLANE_EVENTMETADATAENTRY']._serialized_start=402
+  _globals['_XPLANE_EVENTMETADATAENTRY']._serialized_end=486
+  _globals['_XPLANE_STATMETADATAENTRY']._serialized_start=488
+  _globals['_XPLANE_STATMETADATAENTRY']._serialized_end=570
+  _globals['_XLINE']._serialized_start=573
+  _globals['_XLINE']._serialized_end=755
+  _globals['_XEVENT']._serialized_start=758
+  _globals['_XEVENT']._serialized_end=902
+  _globals['_XSTAT']._serialized_start=905
+  _globals['_XSTAT']._serialized_end=1078
+  _globals['_XEVENTMETADATA']._serialized_start=1081
+  _globals['_XEVENTMETADATA']._serialized_end=1219
+  _globals['_XSTATMETADATA']._serialized_start=1221
+  _globals['_XSTATMETADATA']._serialized_end=1283
 # @@protoc_insertion_point(module_scope)
