@@ -9,11 +9,11 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
-	$(PIP) -e .
+	$(PIP) -e '.[agent]'
 	touch $@
 
 $(VENV)/.test: $(VENV)/.runtime
-	$(PIP) -e '.[tf,dev]'
+	$(PIP) -e '.[agent,tf,dev]'
 	touch $@
 
 # Runs the agent in the foreground with the built-in defaults (Ctrl-C stops it).

@@ -42,15 +42,30 @@ def _probe(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def trace_events(data: bytes) -> int:
-    """How many events a serialized XSpace holds (0 for a trace of a process that did nothing)."""
+def training_events(data: bytes) -> int:
+    """How many events of a serialized XSpace show the process training: step markers, TensorFlow ops on
+    its executor threads, anything on a device. A process that did nothing (or only answered the hook's
+    reads of its counters) has none, whatever else its trace holds."""
     space = xplane_pb2.XSpace.FromString(data)
-    return sum(len(line.events) for plane in space.planes for line in plane.lines)
+    count = 0
+    for plane in space.planes:
+        if plane.name.startswith("/device:"):
+            count += sum(len(line.events) for line in plane.lines)
+            continue
+        if not plane.name.startswith("/host:"):
+            continue
+        ops = {i for i, m in plane.event_metadata.items() if ":" in m.name}  # "name:Type", "Iterator::..."
+        markers = {i for i, m in plane.stat_metadata.items() if m.name == "step_num"}
+        for line in plane.lines:
+            executor = line.name.startswith(("tf_Compute", "tf_inter_op", "tf_numa", "tf_data"))
+            count += sum(1 for event in line.events if (executor and event.metadata_id in ops)
+                         or any(st.metadata_id in markers for st in event.stats))
+    return count
 
 
 def _is_empty(data: bytes) -> bool:
     try:
-        return len(data) < EMPTY_TRACE_BYTES or trace_events(data) == 0
+        return len(data) < EMPTY_TRACE_BYTES or training_events(data) == 0
     except Exception:  # not parseable as a trace: let the analysis say what is wrong with it
         return False
 

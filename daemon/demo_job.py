@@ -125,6 +125,7 @@ def plain_profile(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--job", default="testjob")
+    p.add_argument("--worker", default=None, help="the worker name to report (default: from TF_CONFIG, else 0)")
     p.add_argument("--mode", choices=("fit", "custom"), default="fit")
     p.add_argument("--samples", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=32)
@@ -161,7 +162,8 @@ def main() -> None:
         timer.daemon = True
         timer.start()
     if args.mode == "fit":
-        callback = TfprofdCallback(job=args.job, batch_size=batch, step_markers=not args.no_markers)
+        callback = TfprofdCallback(job=args.job, worker=args.worker, batch_size=batch,
+                                   step_markers=not args.no_markers)
         time.sleep(args.idle)
         extra = [PostProcessing(args.post_ms)] if args.post_ms else []
         if args.seconds:
@@ -179,7 +181,7 @@ def main() -> None:
         reporter = callback.reporter
         steps, samples, _ = reporter.report_counts()
     else:
-        reporter = Reporter.shared(job=args.job)
+        reporter = Reporter.shared(job=args.job, worker=args.worker)
         train_step = train_step_function(m)
         steps = samples = 0
         for _ in range(args.epochs):

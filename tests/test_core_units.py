@@ -274,3 +274,28 @@ def test_an_overdue_sample_is_unhealthy_until_it_returns():
     release.set()
     thread.join(5)
     assert runner.state().healthy
+
+
+def _space(lines: dict[str, list[str]]) -> bytes:
+    from tfprofd.daemon.protos import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    host = space.planes.add(name="/host:CPU")
+    names: dict[str, int] = {}
+    for line_name, events in lines.items():
+        line = host.lines.add(name=line_name, timestamp_ns=1)
+        for n, name in enumerate(events):
+            metadata_id = names.setdefault(name, len(names) + 1)
+            host.event_metadata[metadata_id].name = name
+            line.events.add(metadata_id=metadata_id, offset_ps=n * 1000, duration_ps=500)
+    space.planes.add(name="Task Environment")
+    return space.SerializeToString()
+
+
+def test_a_trace_of_a_process_that_only_answered_the_hook_is_an_empty_trace():
+    from tfprofd.daemon.capture_worker import _is_empty
+
+    hook_reads = ["EagerExecute", "ReadVariableOp", "TFE_Py_FastPathExecute_C"] * 100  # the reporter's reads
+    idle = _space({"python": hook_reads, "tfprofd-hook": hook_reads})
+    assert len(idle) > 2048 and _is_empty(idle)
+    assert not _is_empty(_space({"python": hook_reads, "tf_Compute/1": ["dense/MatMul:MatMul"] * 10}))

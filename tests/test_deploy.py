@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,28 @@ def test_helm_chart_metadata_and_gating():
 
 def test_helm_prometheus_rule_is_the_same_as_prometheus_folders():
     assert (CHART / "files" / "tfprofd-alerts.yaml").read_bytes() == (PROMETHEUS / "tfprofd-alerts.yaml").read_bytes()
+
+
+def test_the_hook_installs_alone_without_the_agents_dependencies(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--disable-pip-version-check",
+                    "-w", str(wheels), str(ROOT)], check=True, capture_output=True, timeout=300)
+    venv = tmp_path / "training-env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    # No index to fetch from: the install fails if the distribution needs anything but itself.
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-index",
+                    "--disable-pip-version-check", *map(str, wheels.glob("*.whl"))], check=True, timeout=300)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    installed = sorted(p.name.split("-")[0] for p in site.glob("*.dist-info"))
+    assert installed == ["tfprofd"], installed
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as agent:
+        agent.bind(("127.0.0.1", 0))
+        agent.settimeout(30)
+        code = ("from tfprofd.exporter.hook import Reporter; "
+                f"r = Reporter(job='alone', profiler=False, addr='127.0.0.1:{agent.getsockname()[1]}'); "
+                "r.record(1, 32, 0.01); assert r.flush()")
+        subprocess.run([str(python), "-c", code], check=True, timeout=60)
+        assert json.loads(agent.recv(65536))["samples"] == 32
+    run_agent = subprocess.run([str(venv / "bin" / "tfprofd"), "run"], capture_output=True, text=True, timeout=60)
+    assert run_agent.returncode == 2 and "pip install 'tfprofd[agent]'" in run_agent.stderr, run_agent.stderr

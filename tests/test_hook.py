@@ -7,18 +7,23 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from helpers import GpuState, gpu, metric_value, wait_for
+from helpers import GpuState, gpu, job_reporting, metric_value, wait_capture, wait_for
 
 pytestmark = pytest.mark.tf
 
 
-def train(agent, *args: str, wait: bool = True) -> subprocess.Popen | dict:
-    env = {**os.environ, "TFPROFD_ADDR": f"127.0.0.1:{agent.hook_port}", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "tfprofd.daemon.demo_job", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+JOBS = Path(__file__).parent / "jobs"
+
+
+def train(agent, *args: str, wait: bool = True, env: dict[str, str] | None = None,
+          script: Path | None = None) -> subprocess.Popen | dict:
+    env = {**os.environ, "TFPROFD_ADDR": f"127.0.0.1:{agent.hook_port}", "PYTHONUNBUFFERED": "1", **(env or {})}
+    command = [sys.executable, str(script)] if script else [sys.executable, "-m", "tfprofd.daemon.demo_job"]
+    proc = subprocess.Popen([*command, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if not wait:
         return proc
     out, err = proc.communicate(timeout=180)
@@ -32,19 +37,98 @@ def counts(agent, job: str) -> tuple[float | None, float | None]:
             metric_value(text, "tfprofd_training_samples_total", training_job=job, worker="0"))
 
 
-def test_fit_counts_exact_steps_and_samples_with_steps_per_execution(agents):
+@pytest.mark.parametrize("keras", ["keras3", "tf_keras"])
+def test_fit_counts_exact_steps_and_samples_with_steps_per_execution(agents, keras):
     agent = agents()
     # 1000 samples in batches of 32: 31 full batches and one of 8, twice; 7 steps per execution.
-    truth = train(agent, "--job", "spe7", "--steps-per-execution", "7", "--samples", "1000", "--epochs", "2")
+    truth = train(agent, "--job", "spe7", "--steps-per-execution", "7", "--samples", "1000", "--epochs", "2",
+                  env={"TF_USE_LEGACY_KERAS": "1" if keras == "tf_keras" else "0"})
     assert (truth["steps"], truth["samples"]) == (64, 2000)
     wait_for(lambda: counts(agent, "spe7") == (64, 2000), 5, message=f"exact counts, got {counts(agent, 'spe7')}")
     text = agent.scrape()
+    # One histogram observation per step, the last execution of each epoch (4 of 7 steps) included.
+    assert metric_value(text, "tfprofd_training_step_duration_seconds_count", training_job="spe7") == 64
     assert metric_value(text, "tfprofd_training_phase", training_job="spe7", phase="idle") == 1
     assert metric_value(text, "tfprofd_training_up", training_job="spe7") == 1
     assert metric_value(text, "tfprofd_training_first_step_seconds", training_job="spe7") > 0
     assert metric_value(text, "tfprofd_hook_reports_rejected_total", reason="invalid_field") == 0
     info = [line for line in text.splitlines() if line.startswith("tfprofd_training_info{")]
     assert len(info) == 1 and f'profiler_address="{truth["profiler"]}"' in info[0]
+
+
+def test_static_batches_are_counted_exactly_without_an_op_in_the_train_step():
+    code = """
+import os, json
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import keras, numpy as np, tensorflow as tf
+from tfprofd.exporter.hook import TfprofdCallback
+x = np.ones((1000, 4), "float32"); y = np.ones((1000, 1), "float32")
+ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32, drop_remainder=True)  # 31 batches of 32
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
+callback = TfprofdCallback(job="static", profiler=False, addr="127.0.0.1:9")
+model.fit(ds, epochs=2, callbacks=[callback], verbose=0)
+print(json.dumps({"report": callback.reporter.report(), "in_graph": model._tfprofd_counter.read()}))
+"""
+    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                    timeout=180).stdout.strip().splitlines()[-1])
+    assert (out["report"]["steps"], out["report"]["samples"]) == (62, 62 * 32)
+    assert out["in_graph"] == [0, 0]  # the train step added nothing: its batch size was known when traced
+
+
+def test_mixed_precision_counts_every_batch_and_the_skipped_updates(agents):
+    agent = agents()
+    truth = train(agent, "--job", "amp", script=JOBS / "mixed_precision.py")
+    assert truth == {"batches": 100, "applied": 94, "skipped": 6}  # optimizer.iterations alone says 94 steps
+
+    def seen():
+        text = agent.scrape()
+        return (metric_value(text, "tfprofd_training_steps_total", training_job="amp"),
+                metric_value(text, "tfprofd_training_skipped_steps_total", training_job="amp"),
+                metric_value(text, "tfprofd_training_samples_total", training_job="amp"))
+
+    wait_for(lambda: seen() == (100, 6, 800), 10, message=f"100 steps, 6 skipped, 800 samples; got {seen()}")
+
+
+def test_a_capture_of_a_job_with_steps_per_execution_is_analysed_per_step(agents):
+    agent = agents(args=["--captures.baseline", "false"])
+    proc = train(agent, "--job", "spe4", "--steps-per-execution", "4", "--seconds", "60", wait=False)
+    try:
+        wait_for(lambda: job_reporting(agent, "spe4") and (counts(agent, "spe4")[0] or 0) > 50, 120,
+                 message="the job to train")
+        status, answer = agent.call("POST", "/captures", {"job": "spe4"})
+        assert status == 202, answer
+        record = wait_capture(agent, answer["id"], timeout=180)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert record["status"] == "done", record
+    analysis = record["analysis"]
+    assert analysis["bottleneck"] != "unknown", analysis["summary"]  # xprof alone finds no steps in this trace
+    assert analysis["executions"] > 10 and analysis["steps"] >= 3.5 * analysis["executions"], analysis
+    assert analysis["loops_hidden"]
+
+
+def test_a_capture_while_keras_tensorboard_profiles_is_busy_and_says_why(agents, tmp_path):
+    agent = agents(args=["--captures.baseline", "false"])
+    proc = train(agent, str(tmp_path / "tb"), script=JOBS / "tensorboard_profile.py", wait=False)
+    try:
+        wait_for(lambda: (counts(agent, "tensorboard")[0] or 0) > 5, 120, message="Keras to start profiling")
+        for mode in ("agent", "server"):
+            if mode == "server":
+                agent.stop()
+                agent.args += ["--captures.mode", "server"]
+                agent.start()
+                wait_for(lambda: job_reporting(agent, "tensorboard"), 30, message="the job to report again")
+            status, answer = agent.call("POST", "/captures", {"job": "tensorboard", "duration_ms": 1000})
+            assert status == 202, answer
+            record = wait_capture(agent, answer["id"], timeout=120)
+            assert (record["status"], record["reason"]) == ("failed", "busy"), record
+            assert "Keras TensorBoard callback with profile_batch" in record["detail"], record["detail"]
+            assert "No trace event was collected" not in record["detail"]  # xprof's client says that for anything
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_custom_loop_reports_the_same(agents):
