@@ -35,7 +35,7 @@ from tfprofd.exporter.hook import TfprofdCallback
 
 STEPS = 600
 BATCH = 16
-MIN_ROUNDS, MAX_ROUNDS, MAX_SECONDS = 30, 400, 900
+MIN_ROUNDS, MAX_ROUNDS, MAX_SECONDS = 30, 400, 600
 PRECISE = 0.0025  # a confidence interval within ±0.25% is precise enough whatever the effect
 # Fewer, steadier threads on a small machine: round-to-round noise otherwise dwarfs the effect.
 tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -94,6 +94,9 @@ def main() -> dict[str, float]:
             rates[name].append(STEPS * BATCH / (time.perf_counter() - t0))
         rounds += 1
         ratios = {v: [a / b for a, b in zip(rates[v], rates[base], strict=True)] for v, base in baseline_of.items()}
+        if rounds % 10 == 0:
+            print(f"  round {rounds}: median default ratio so far {statistics.median(ratios['tfprofd']):.4f}",
+                  flush=True)
         if rounds >= MIN_ROUNDS and settled(ratios["tfprofd"]) and settled(ratios["tfprofd_static"]):
             break
     step_ms = BATCH * 1000 / statistics.median(rates["none"])

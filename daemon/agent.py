@@ -9,6 +9,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import stat
 import sys
 import threading
@@ -27,6 +28,7 @@ from .api import ControlApi, Token, alert_is_for_host
 from .baselines import Baselines
 from .captures import CaptureService
 from .errors import DomainError
+from .forwarding import AlertForwarder
 from .health import AGENT_PART, Endpoints
 from .httpserver import EventLoop, HttpServer, Router
 from .jobs import JobRegistry
@@ -79,8 +81,10 @@ class Agent:
         metrics, api = Router(), Router()
         self.endpoints = Endpoints(metrics, __version__, lambda: self.runners, self._live, lambda: self.servers,
                                    self._stopping.is_set, lambda: self.cfg.core.interval)
+        forwarder = AlertForwarder(lambda: self.cfg.alerts, lambda: self.servers[1].address[1], token.current,
+                                   lambda: self.cfg.alerts.host_value or socket.gethostname())
         ControlApi(api, self.captures, policy, lambda labels: alert_is_for_host(
-            labels, self.cfg.alerts.host_label, self.cfg.alerts.host_value))
+            labels, self.cfg.alerts.host_label, self.cfg.alerts.host_value), forwarder)
         self.servers.append(HttpServer("metrics", self.cfg.core.listen, metrics, max_body=lambda: 4096))
         self.servers.append(HttpServer("api", self.cfg.api.listen, api, max_body=lambda: self.cfg.api.max_body_bytes,
                                        authenticate=token.authenticate))

@@ -29,12 +29,14 @@ from .errors import (
     CaptureHeld,
     CoolingDown,
     DomainError,
+    ForwardFailed,
     InvalidRequest,
     NoProfiler,
     NotFound,
     NoTrainingJob,
     StorageError,
 )
+from .forwarding import FORWARDED_HEADER, AlertForwarder
 from .httpserver import HttpError, Request, Response, Router, json_response
 from .policy import CapturePolicy
 
@@ -180,10 +182,11 @@ def alert_is_for_host(labels: dict[str, str], label: str, value: str) -> bool:
 
 class ControlApi:
     def __init__(self, router: Router, captures: CaptureService, policy: CapturePolicy,
-                 host_match: Callable[[dict[str, str]], bool]):
+                 host_match: Callable[[dict[str, str]], bool], forwarder: AlertForwarder | None = None):
         self.captures = captures
         self.policy = policy
         self.host_match = host_match
+        self.forwarder = forwarder
         router.add("GET", "/api/v1/captures", self.list_captures)
         router.add("POST", "/api/v1/captures", self.create_capture)
         router.add("GET", "/api/v1/captures/{capture_id}", self.get_capture)
@@ -221,37 +224,62 @@ class ControlApi:
         for index, alert in enumerate(payload["alerts"]):
             if not isinstance(alert, dict) or not isinstance(alert.get("labels"), dict):
                 raise HttpError(400, f"alerts[{index}] must be an object with a labels object")
-        outcome: dict[str, list[Any]] = {"captures": [], "ignored": [], "retry": []}
+        forwarded_by = request.headers.get(FORWARDED_HEADER.lower())
+        outcome: dict[str, list[Any]] = {"captures": [], "ignored": [], "retry": [], "forwarded": []}
+        elsewhere: dict[str, list[dict[str, Any]]] = {}
         for alert in payload["alerts"]:
-            self._alert(alert, outcome)
+            target = self._alert(alert, outcome, forwarded_by)
+            if target is not None:
+                elsewhere.setdefault(target, []).append(alert)
+        for target, alerts in elsewhere.items():
+            self._forward(target, payload, alerts, outcome)
         # 5xx makes Alertmanager send again; alerts already captured are remembered and not captured twice.
         return json_response(503 if outcome["retry"] else 200, outcome)
 
-    def _alert(self, alert: dict[str, Any], outcome: dict[str, list[Any]]) -> None:
+    def _forward(self, target: str, payload: dict[str, Any], alerts: list[dict[str, Any]],
+                 outcome: dict[str, list[Any]]) -> None:
+        assert self.forwarder is not None
+        names = [str(a["labels"].get("alertname", "?")) for a in alerts]
+        try:
+            answer = self.forwarder.forward(target, payload, alerts)
+        except ForwardFailed as exc:
+            outcome["retry"].extend({"alert": name, "why": exc.reason} for name in names)
+            log.warning("alerts %s for %s: not forwarded: %s", ", ".join(names), target, exc.reason)
+            return
+        outcome["forwarded"].append({"alerts": names, **answer})
+        log.info("forwarded alerts %s to the agent at %s (it answered %d)", ", ".join(names), target, answer["status"])
+
+    def _alert(self, alert: dict[str, Any], outcome: dict[str, list[Any]], forwarded_by: str | None) -> str | None:
+        """Handle one alert for this host; for another host, the agent to forward it to (or None)."""
         labels = {str(k): str(v) for k, v in alert["labels"].items()}
         name = labels.get("alertname", "?")
         if alert.get("status") != "firing":
             outcome["ignored"].append({"alert": name, "why": "resolved"})
-            return
+            return None
         if not self.host_match(labels):
-            outcome["ignored"].append({"alert": name, "why": "another host"})
-            return
+            target = self.forwarder.target(labels) if self.forwarder is not None and not forwarded_by else None
+            if target is None:
+                why = f"another host (forwarded by {forwarded_by}; never forwarded twice)" if forwarded_by \
+                    else "another host"
+                outcome["ignored"].append({"alert": name, "why": why})
+            return target
         key = alert_key(alert, labels)
         if self.policy.alert_handled(key):
             outcome["ignored"].append({"alert": name, "why": "already handled"})
             log.info("alert %s already handled (%s)", name, key)
-            return
+            return None
         try:
             records = self.captures.request("alert", labels.get("training_job"), labels.get("gpu"), alert=name)
         except RETRYABLE as exc:
             outcome["retry"].append({"alert": name, "why": exc.reason})
             log.info("alert %s: no capture yet (%s); Alertmanager will send it again", name, exc.reason)
-            return
+            return None
         except (NoProfiler, BudgetSpent, CoolingDown, CaptureHeld) as exc:  # a retry would not help
             if isinstance(exc, NoProfiler):
                 self.policy.remember_alert(key)
             outcome["ignored"].append({"alert": name, "why": exc.reason})
             log.info("alert %s: no capture: %s", name, exc.reason)
-            return
+            return None
         self.policy.remember_alert(key)
         outcome["captures"].extend(r.id for r in records)
+        return None

@@ -115,6 +115,16 @@ class AlertSettings:
                              "about.")
     host_value: str = option("", opt.parse_str, "This host's value of that label (empty: the host name); "
                              "host:port values match on host.")
+    forward_networks: tuple[Any, ...] = option((), opt.parse_networks, "Forward an alert for another host to that "
+                                               "host's agent when the host part of its forward_label is an IP "
+                                               "address in these networks (e.g. the nodes' CIDR); empty: never "
+                                               "forward. All agents must share one API token.")
+    forward_label: str = option("instance", opt.parse_str, "Alert label whose host part addresses the agent an "
+                                "alert for another host is forwarded to.")
+    forward_port: int = option(0, opt.parse_int, "Control API port of the agents alerts are forwarded to (0: this "
+                               "agent's own api.listen port).", minimum=0, maximum=65535)
+    forward_timeout: float = option(5.0, opt.parse_duration, "How long forwarding one batch of alerts may take.",
+                                    minimum=0.1, maximum=60)
 
 
 AGENT_SECTIONS: dict[str, type] = {"": CoreSettings, "api": ApiSettings, "captures": CaptureSettings,
@@ -144,8 +154,10 @@ class Option:
         value = self.field.default
         if value is None:
             return "off"
-        if isinstance(value, tuple):
+        if isinstance(value, tuple) and len(value) == 2:  # an address
             return f"{value[0]}:{value[1]}"
+        if isinstance(value, tuple):  # a list
+            return ",".join(map(str, value)) or "none"
         if isinstance(value, re.Pattern):
             return value.pattern
         if self.meta.get("raw_text"):

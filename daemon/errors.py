@@ -51,5 +51,9 @@ class CaptureHeld(DomainError):
     """A worker of the job died during one of its captures: automatic captures of it wait (captures.hold)."""
 
 
+class ForwardFailed(DomainError):
+    """An alert for another host could not be handed to that host's agent (a retry may reach it)."""
+
+
 class StorageError(DomainError):
     """The agent cannot write its state (full disk, permissions)."""

@@ -1,4 +1,5 @@
-"""The registry of training jobs: the processes the hook reports, joined with NVML's per-GPU process list.
+"""The registry of training jobs: the processes the hook reports, joined with NVML's per-GPU process list
+and, on Kubernetes, with the pods the kubelet gave each GPU.
 
 It answers the two questions the rest of the agent asks: "is a job training here?" (rules gate on it)
 and "which processes do I capture for this job or GPU?" (captures target them). It learns from the
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from tfprofd.exporter.base import gauge
+from tfprofd.exporter.kubernetes import KubernetesCollector, PodDevice, PodDevices
 from tfprofd.exporter.nvml import GpuProcesses
 from tfprofd.exporter.training import ProcessView, TrainingProcesses
 
@@ -34,6 +36,7 @@ class JobRegistry:
     def __init__(self) -> None:
         self._processes: tuple[ProcessView, ...] = ()
         self._gpus: tuple[tuple[str, str, frozenset[int]], ...] = ()
+        self._pods: tuple[PodDevice, ...] = ()
         self._lock = threading.Lock()
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
@@ -44,6 +47,9 @@ class JobRegistry:
                 self._processes = training.processes
             if gpus is not None:
                 self._gpus = gpus.gpus
+            if snapshot.collector == KubernetesCollector.name:  # a failed kubelet call: no pod is known
+                pods = snapshot.fact(PodDevices)
+                self._pods = pods.devices if pods is not None else ()
 
     def _job_gpus(self) -> list[tuple[str, str, ProcessView]]:
         """(gpu, uuid, process) for every reporting process NVML lists on a GPU (joined on pid)."""
@@ -109,7 +115,31 @@ class JobRegistry:
         with self._lock:
             return {p.job for p in self._processes if p.training}
 
+    def _gpu_pods(self) -> list[tuple[str, str, PodDevice]]:
+        """(gpu, uuid, pod device) for every GPU device the kubelet assigned, with NVML's index for its UUID
+        (or its UUID for an index, where the device plugin names GPUs by index); unknown parts are ""."""
+        with self._lock:
+            gpus, pods = self._gpus, self._pods
+        index_of = {uuid: gpu for gpu, uuid, _ in gpus}
+        uuid_of = {gpu: uuid for gpu, uuid, _ in gpus}
+        return [(d.device_id, uuid_of.get(d.device_id, ""), d) if d.device_id.isdigit()
+                else (index_of.get(d.device_id, ""), d.device_id, d) for d in pods]
+
     def collect(self) -> Iterator[Metric]:
         rows = sorted({(gpu, uuid, p.job, p.worker) for gpu, uuid, p in self._job_gpus()})
         yield gauge("gpu_job_info", "Which training job runs on which GPU (by NVML process list); the value is 1.",
                     ["gpu", "uuid", "training_job", "worker"], ((row, 1) for row in rows))
+        gpu_pods = self._gpu_pods()
+        if not gpu_pods:
+            return
+        yield gauge("gpu_pod_info", "Which Kubernetes pod and container holds which GPU (kubelet PodResources); "
+                    "the value is 1.", ["gpu", "uuid", "namespace", "pod", "container"],
+                    (((gpu, uuid, d.namespace, d.pod, d.container), 1) for gpu, uuid, d in gpu_pods))
+        pods_by_uuid: dict[str, set[tuple[str, str, str]]] = {}
+        for _, uuid, d in gpu_pods:
+            pods_by_uuid.setdefault(uuid, set()).add((d.namespace, d.pod, d.container))
+        job_pods = sorted({(p.job, p.worker, *pod) for _, uuid, p in self._job_gpus()
+                           for pod in pods_by_uuid.get(uuid, ())})
+        yield gauge("training_pod_info", "Which Kubernetes pod a training job's worker runs in (the pod holding "
+                    "the GPU its process uses); the value is 1.",
+                    ["training_job", "worker", "namespace", "pod", "container"], ((row, 1) for row in job_pods))

@@ -129,6 +129,21 @@ def parse_optional_address(raw: Any) -> tuple[str, int] | None:
     return parse_address(raw) if parse_str(raw).strip() else None
 
 
+def parse_networks(raw: Any) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """IP networks (``10.0.0.0/16``) from a YAML list or a comma-separated string; empty means none."""
+    items = raw if isinstance(raw, list) else [] if raw is None else parse_str(raw).split(",")
+    networks = []
+    for item in items:
+        text = parse_str(item).strip()
+        if not text:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(text, strict=False))
+        except ValueError:
+            raise ValueError(f"expected IP networks like 10.0.0.0/16, got {text!r}") from None
+    return tuple(networks)
+
+
 def parse_regex(raw: Any) -> re.Pattern[str]:
     text = parse_str(raw)
     try:

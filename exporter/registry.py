@@ -6,13 +6,15 @@ from __future__ import annotations
 from .base import Collector
 from .cpu import CpuCollector
 from .disk import DiskCollector
+from .kubernetes import KubernetesCollector
 from .memory import MemoryCollector
 from .network import NetworkCollector
 from .nvml import NvmlCollector
 from .training import TrainingCollector
 
 COLLECTORS: dict[str, type[Collector]] = {c.name: c for c in (
-    NvmlCollector, CpuCollector, MemoryCollector, DiskCollector, NetworkCollector, TrainingCollector)}
+    NvmlCollector, CpuCollector, MemoryCollector, DiskCollector, NetworkCollector, TrainingCollector,
+    KubernetesCollector)}
 
 
 def signal_catalog() -> dict[str, tuple[str, tuple[str, ...]]]:

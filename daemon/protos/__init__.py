@@ -1,1 +1,1 @@
-"""Protobuf messages tfprofd speaks: TensorFlow profiler captures, the kubelet PodResources API."""
+"""Protobuf messages the agent speaks: TensorFlow profiler captures and XPlane traces."""

@@ -1,0 +1,1 @@
+"""Protobuf messages the collectors speak: the kubelet PodResources API (v1)."""

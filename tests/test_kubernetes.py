@@ -1,0 +1,101 @@
+"""GPU → pod attribution from the kubelet's PodResources API, against a real gRPC server on a unix socket."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from kubelet import FakeKubelet
+
+from tfprofd.exporter.hook import Reporter
+from tfprofd.exporter.kubernetes import KubernetesSettings, PodDevice, parse_pod_resources
+from tfprofd.exporter.protos import podresources_pb2 as pb
+
+from helpers import GpuState, gpu, http, metric_value, wait_for
+
+GPU0, GPU1 = gpu(0)["uuid"], gpu(1)["uuid"]
+MIG = "MIG-4f3a7a2e-5bd2-5c4e-8a38-1f2b2d8a0c11"
+
+
+def test_parse_keeps_gpu_and_mig_devices_only():
+    response = pb.ListPodResourcesResponse()
+    train = response.pod_resources.add(name="bert-0", namespace="ml")
+    c = train.containers.add(name="trainer")
+    c.devices.add(resource_name="nvidia.com/gpu", device_ids=[GPU1, GPU0])
+    c.devices.add(resource_name="example.com/fpga", device_ids=["fpga0"])
+    c.devices.add(resource_name="nvidia.com/mig-1g.10gb", device_ids=[MIG])
+    response.pod_resources.add(name="web", namespace="default").containers.add(name="nginx")
+    devices = parse_pod_resources(response, KubernetesSettings().resources)
+    assert devices == (
+        PodDevice(GPU0, "nvidia.com/gpu", "ml", "bert-0", "trainer"),
+        PodDevice(GPU1, "nvidia.com/gpu", "ml", "bert-0", "trainer"),
+        PodDevice(MIG, "nvidia.com/mig-1g.10gb", "ml", "bert-0", "trainer"),
+    )
+
+
+def kubernetes_args(socket_path, timeout: str = "1s") -> list[str]:
+    return ["--collectors.kubernetes.enabled", "true", "--collectors.kubernetes.socket", str(socket_path),
+            "--collectors.kubernetes.timeout", timeout]
+
+
+def test_gpus_and_training_jobs_are_labelled_with_their_pods(agents, tmp_path, fakenvml):
+    state = GpuState(tmp_path / "nvml.json", [gpu(0), gpu(1)])
+    socket_path = tmp_path / "kubelet.sock"
+    pods = {"bert-0": ("ml", {"trainer": {"nvidia.com/gpu": [GPU0]}}),
+            "notebook": ("research", {"jupyter": {"nvidia.com/gpu": [GPU1], "cpu": ["0"]}}),
+            "small": ("research", {"infer": {"nvidia.com/mig-1g.10gb": [MIG]}})}
+    with FakeKubelet(socket_path, pods):
+        agent = agents(args=kubernetes_args(socket_path), env=state.env(), fixtures=False)  # real /proc: our pid
+        state.update_gpu(0, processes=[{"pid": os.getpid(), "used_memory_bytes": 2**30}])
+        reporter = Reporter(job="bert", worker="0", profiler=False, addr=f"unix:{agent.hook_socket}")
+        try:
+            with reporter.step(batch_size=8):
+                pass
+            reporter.flush()
+
+            def labelled():
+                text = agent.scrape()
+                return text if metric_value(text, "tfprofd_training_pod_info", training_job="bert") == 1 else None
+
+            text = wait_for(labelled, 30, message="the training job's pod")
+        finally:
+            reporter.close()
+    assert metric_value(text, "tfprofd_collector_success", collector="kubernetes") == 1
+    assert metric_value(text, "tfprofd_gpu_pod_info", gpu="0", uuid=GPU0, namespace="ml", pod="bert-0",
+                        container="trainer") == 1
+    assert metric_value(text, "tfprofd_gpu_pod_info", gpu="1", uuid=GPU1, namespace="research", pod="notebook",
+                        container="jupyter") == 1
+    # A MIG device the NVML snapshot does not list keeps its UUID; its GPU index is unknown.
+    assert metric_value(text, "tfprofd_gpu_pod_info", gpu="", uuid=MIG, pod="small") == 1
+    assert metric_value(text, "tfprofd_training_pod_info", training_job="bert", worker="0", namespace="ml",
+                        pod="bert-0", container="trainer") == 1
+    assert metric_value(text, "tfprofd_kubernetes_pod_devices", resource="nvidia.com/gpu") == 2
+    assert metric_value(text, "tfprofd_kubernetes_pod_devices", resource="nvidia.com/mig-1g.10gb") == 1
+    assert "cpu" not in {m for m in re.findall(r'resource="([^"]+)"', text)}
+
+
+def test_a_missing_or_slow_kubelet_fails_its_collector_alone(agents, tmp_path, fakenvml):
+    state = GpuState(tmp_path / "nvml.json", [gpu(0)])
+    socket_path = tmp_path / "kubelet.sock"
+    agent = agents(args=kubernetes_args(socket_path, timeout="300ms"), env=state.env())
+
+    def kubernetes_success(value: float):
+        text = agent.scrape()
+        return text if metric_value(text, "tfprofd_collector_success", collector="kubernetes") == value else None
+
+    text = wait_for(lambda: kubernetes_success(0), 20, message="the kubelet's absence to show")
+    assert metric_value(text, "tfprofd_gpu_utilization_ratio", gpu="0") == 0.95
+    assert metric_value(text, "tfprofd_collector_success", collector="nvml") == 1
+    assert "tfprofd_gpu_pod_info" not in text
+    assert "collector kubernetes failed" in agent.log() and str(socket_path) in agent.log()
+
+    with FakeKubelet(socket_path, {"bert-0": ("ml", {"trainer": {"nvidia.com/gpu": [GPU0]}})}) as kubelet:
+        text = wait_for(lambda: kubernetes_success(1), 20, message="the kubelet to be found once it listens")
+        assert metric_value(text, "tfprofd_gpu_pod_info", gpu="0", pod="bert-0") == 1
+
+        kubelet.delay = 30  # slower than the 300 ms timeout: the sample fails, pods are no longer claimed
+        text = wait_for(lambda: kubernetes_success(0), 20, message="a slow kubelet to fail the collector")
+        assert "tfprofd_gpu_pod_info{" not in text
+        assert metric_value(text, "tfprofd_gpu_utilization_ratio", gpu="0") == 0.95
+        status, _ = http("GET", agent.url + "/metrics", timeout=2)  # a scrape never waits on the kubelet
+        assert status == 200
