@@ -79,10 +79,13 @@ def build() -> dashboard.Dashboard:
               f"(rate(tfprofd_training_step_duration_seconds_bucket{{{JOB}}}[{rate}])))", "p95 {{training_job}}",
               "B"),
         description="Step duration measured by the hook."))
-    d = d.with_panel(table.Panel().title("Job to GPU").unit("none").datasource(DATASOURCE).span(8).height(8)
-                     .description("Which training job runs on which GPU (NVML process list joined with the hook).")
-                     .with_target(query(f"max by (instance, gpu, training_job, worker) "
-                                        f"(tfprofd_gpu_job_info{{{JOB}}})", instant=True)))
+    job_gpu = f"tfprofd_gpu_job_info{{{JOB}}}"
+    d = d.with_panel(table.Panel().title("Job to GPU and pod").unit("none").datasource(DATASOURCE).span(8).height(8)
+                     .description("Which training job runs on which GPU (NVML process list joined with the hook) "
+                                  "and, on Kubernetes, in which pod (the kubelet's PodResources).")
+                     .with_target(query(f"max by (instance, gpu, training_job, worker, namespace, pod) "
+                                        f"(({job_gpu} * on (instance, gpu) group_left (namespace, pod) "
+                                        f"tfprofd_gpu_pod_info) or {job_gpu})", instant=True)))
     d = d.with_panel(stat.Panel().title("Latest capture: input-bound").unit("percentunit").datasource(DATASOURCE)
                      .span(8).height(6).color_mode(BigValueColorMode.BACKGROUND)
                      .description("Share of step time waiting for input in the job's latest analysed capture.")
@@ -126,6 +129,11 @@ def build() -> dashboard.Dashboard:
     d = d.with_panel(series("GPU clocks", "hertz",
                             query(f"tfprofd_gpu_sm_clock_hertz{{{GPU}}}", "SM GPU {{gpu}}"),
                             query(f"tfprofd_gpu_memory_clock_hertz{{{GPU}}}", "memory GPU {{gpu}}", "B")))
+    d = d.with_panel(table.Panel().title("GPU to pod").unit("none").datasource(DATASOURCE).span(8).height(8)
+                     .description("Which Kubernetes pod and container holds each GPU or MIG device (the kubelet's "
+                                  "PodResources API; empty off Kubernetes).")
+                     .with_target(query(f"max by (instance, gpu, uuid, namespace, pod, container) "
+                                        f"(tfprofd_gpu_pod_info{{{GPU}}})", instant=True)))
     d = d.with_panel(series("Clock throttle reasons", "none",
                             query(f"max by (gpu, reason) (tfprofd_gpu_clock_event_reason_active{{{GPU}}})",
                                   "GPU {{gpu}} {{reason}}"),

@@ -9,6 +9,7 @@ import shutil
 import urllib.parse
 
 import pytest
+from fake_kubelet import FakeKubelet
 
 from helpers import (
     ROOT,
@@ -54,9 +55,14 @@ def test_every_dashboard_query_parses_and_returns_data(tmp_path):
     state = GpuState(tmp_path / "nvml.json", [gpu(0), gpu(1)])
     # The shipped rules (for the rules panel) and the real /proc (for utilization ratios, which a static
     # fixture /proc cannot give).
+    # A kubelet holding GPU 0 for the job's pod (the pod panels).
+    kubelet = FakeKubelet(tmp_path / "kubelet.sock",
+                          {"vit-0": ("ml", {"trainer": {"nvidia.com/gpu": [gpu(0)["uuid"]]}})})
+    kubelet.__enter__()
     agent = AgentProcess(tmp_path, args=["--captures.duration", "1s", "--captures.baseline-after", "10s",
-                                         "--captures.baseline-duration", "500ms"], env=state.env(),
-                         fixtures=False).start()
+                                         "--captures.baseline-duration", "500ms", "--collectors.kubernetes.enabled",
+                                         "true", "--collectors.kubernetes.socket", str(kubelet.socket_path)],
+                         env=state.env(), fixtures=False).start()
     job = start_training(agent.hook_port, "--job", "vit", "--seconds", "200", "--map-delay", "0.0002")
     prometheus = None
     try:
@@ -93,3 +99,4 @@ def test_every_dashboard_query_parses_and_returns_data(tmp_path):
         if prometheus:
             prometheus.stop()
         agent.stop()
+        kubelet.__exit__()

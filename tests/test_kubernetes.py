@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from kubelet import FakeKubelet
+from fake_kubelet import FakeKubelet
 
 from tfprofd.exporter.hook import Reporter
 from tfprofd.exporter.kubernetes import KubernetesSettings, PodDevice, parse_pod_resources
