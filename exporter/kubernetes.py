@@ -15,7 +15,7 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from prometheus_client.core import Metric
 
@@ -72,13 +72,13 @@ class KubernetesCollector(Collector):
     name = "kubernetes"
     section = "collectors.kubernetes"
     Settings = KubernetesSettings
-    signals: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __init__(self, settings: KubernetesSettings, env: Environment):
         super().__init__(settings, env)
         self._channel: Any = None
         self._channel_socket = ""
         self._list: Any = None
+        self._request: Any = None
         self._devices: tuple[PodDevice, ...] | None = None
 
     def _lister(self) -> Any:
