@@ -135,6 +135,7 @@ class Agent:
             elif name in self.collectors:
                 self.runners.pop(name).stop()
                 close_soon(self.collectors.pop(name))
+                self.jobs.forget(name)
                 self.endpoints.exposition.forget(name)
                 self.endpoints.exposition.forget(AGENT_PART)  # its collector_success series goes too
                 log.info("collector %s disabled", name)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.core import Metric
 
 from tfprofd.exporter.base import gauge
-from tfprofd.exporter.kubernetes import KubernetesCollector, PodDevice, PodDevices
+from tfprofd.exporter.kubernetes import PodDevice, PodDevices
 from tfprofd.exporter.nvml import GpuProcesses
 from tfprofd.exporter.training import ProcessView, TrainingProcesses
 
@@ -34,22 +35,29 @@ class Target:
 
 class JobRegistry:
     def __init__(self) -> None:
+        self._facts: dict[str, tuple[Any, ...]] = {}  # collector -> the facts of its latest sample
         self._processes: tuple[ProcessView, ...] = ()
         self._gpus: tuple[tuple[str, str, frozenset[int]], ...] = ()
         self._pods: tuple[PodDevice, ...] = ()
         self._lock = threading.Lock()
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
-        training = snapshot.fact(TrainingProcesses)
-        gpus = snapshot.fact(GpuProcesses)
+        """A collector's new sample replaces everything it said before (a failed sample says nothing)."""
         with self._lock:
-            if training is not None:
-                self._processes = training.processes
-            if gpus is not None:
-                self._gpus = gpus.gpus
-            if snapshot.collector == KubernetesCollector.name:  # a failed kubelet call: no pod is known
-                pods = snapshot.fact(PodDevices)
-                self._pods = pods.devices if pods is not None else ()
+            self._facts[snapshot.collector] = snapshot.facts
+            self._derive()
+
+    def forget(self, collector: str) -> None:
+        """Drop what a collector said: it was disabled, and its jobs, GPUs or pods are no longer known."""
+        with self._lock:
+            self._facts.pop(collector, None)
+            self._derive()
+
+    def _derive(self) -> None:
+        facts = [f for source in self._facts.values() for f in source]
+        self._processes = tuple(p for f in facts if isinstance(f, TrainingProcesses) for p in f.processes)
+        self._gpus = tuple(g for f in facts if isinstance(f, GpuProcesses) for g in f.gpus)
+        self._pods = tuple(d for f in facts if isinstance(f, PodDevices) for d in f.devices)
 
     def _job_gpus(self) -> list[tuple[str, str, ProcessView]]:
         """(gpu, uuid, process) for every reporting process NVML lists on a GPU (joined on pid)."""

@@ -80,12 +80,15 @@ class CollectorRunner:
         self._thread = threading.Thread(target=self._guarded_loop, name=f"tfprofd-{self.name}", daemon=True)
         self._failing_logged = False
         self._subscriber_errors: dict[str, str] = {}
+        self._publishing = threading.Lock()
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stop sampling; once this returns, no snapshot is published (one in flight finishes first)."""
+        with self._publishing:
+            self._stop.set()
         self._woken.set()
 
     def join(self, timeout: float) -> None:
@@ -143,6 +146,11 @@ class CollectorRunner:
         return snapshot
 
     def _publish(self, snapshot: Snapshot) -> None:
+        with self._publishing:
+            if not self._stop.is_set():  # a sample that outlived stop() (blocked in a library call) is dropped
+                self._notify(snapshot)
+
+    def _notify(self, snapshot: Snapshot) -> None:
         for subscriber in self.subscribers:
             name = getattr(subscriber, "__qualname__", repr(subscriber))
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 
 from fake_kubelet import FakeKubelet
 
@@ -99,3 +100,22 @@ def test_a_missing_or_slow_kubelet_fails_its_collector_alone(agents, tmp_path, f
         assert metric_value(text, "tfprofd_gpu_utilization_ratio", gpu="0") == 0.95
         status, _ = http("GET", agent.url + "/metrics", timeout=2)  # a scrape never waits on the kubelet
         assert status == 200
+
+
+def test_disabling_the_collector_on_reload_forgets_its_pods(agents, tmp_path, fakenvml):
+    state = GpuState(tmp_path / "nvml.json", [gpu(0)])
+    socket_path = tmp_path / "kubelet.sock"
+    config = tmp_path / "tfprofd.yaml"
+    enabled = f"collectors:\n  kubernetes:\n    enabled: true\n    socket: {socket_path}\n"
+    config.write_text(enabled)
+    with FakeKubelet(socket_path, {"bert-0": ("ml", {"trainer": {"nvidia.com/gpu": [GPU0]}})}):
+        agent = agents(args=["--config", str(config)], env=state.env())
+        wait_for(lambda: "tfprofd_gpu_pod_info{" in agent.scrape(), 20, message="the pod to show")
+        config.write_text(enabled.replace("enabled: true", "enabled: false"))
+        agent.signal(signal.SIGHUP)
+        wait_for(lambda: "collector kubernetes disabled" in agent.log(), 10, message="the reload")
+        # the kubelet still answers: only the registry's memory could keep the pod
+        text = agent.scrape()
+    assert "tfprofd_gpu_pod_info{" not in text
+    assert metric_value(text, "tfprofd_collector_success", collector="kubernetes") is None
+    assert metric_value(text, "tfprofd_gpu_utilization_ratio", gpu="0") == 0.95
