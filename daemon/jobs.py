@@ -39,6 +39,7 @@ class JobRegistry:
         self._processes: tuple[ProcessView, ...] = ()
         self._gpus: tuple[tuple[str, str, frozenset[int]], ...] = ()
         self._pods: tuple[PodDevice, ...] = ()
+        self._mig_parents: dict[str, str] = {}  # MIG UUID -> its GPU's index
         self._lock = threading.Lock()
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
@@ -58,6 +59,7 @@ class JobRegistry:
         self._processes = tuple(p for f in facts if isinstance(f, TrainingProcesses) for p in f.processes)
         self._gpus = tuple(g for f in facts if isinstance(f, GpuProcesses) for g in f.gpus)
         self._pods = tuple(d for f in facts if isinstance(f, PodDevices) for d in f.devices)
+        self._mig_parents = {m: g for f in facts if isinstance(f, GpuProcesses) for m, g in f.mig_parents}
 
     def _job_gpus(self) -> list[tuple[str, str, ProcessView]]:
         """(gpu, uuid, process) for every reporting process NVML lists on a GPU (joined on pid)."""
@@ -125,10 +127,11 @@ class JobRegistry:
 
     def _gpu_pods(self) -> list[tuple[str, str, PodDevice]]:
         """(gpu, uuid, pod device) for every GPU device the kubelet assigned, with NVML's index for its UUID
-        (or its UUID for an index, where the device plugin names GPUs by index); unknown parts are ""."""
+        (or its UUID for an index, where the device plugin names GPUs by index; a MIG device gets its GPU's
+        index); unknown parts are ""."""
         with self._lock:
-            gpus, pods = self._gpus, self._pods
-        index_of = {uuid: gpu for gpu, uuid, _ in gpus}
+            gpus, pods, mig_parents = self._gpus, self._pods, self._mig_parents
+        index_of = {**mig_parents, **{uuid: gpu for gpu, uuid, _ in gpus}}
         uuid_of = {gpu: uuid for gpu, uuid, _ in gpus}
         return [(d.device_id, uuid_of.get(d.device_id, ""), d) if d.device_id.isdigit()
                 else (index_of.get(d.device_id, ""), d.device_id, d) for d in pods]

@@ -32,7 +32,7 @@ log = logging.getLogger("tfprofd.rules")
 Catalog = Mapping[str, tuple[str, tuple[str, ...]]]
 Labels = tuple[tuple[str, str], ...]
 
-STATE_LABELS = ("gpu", "training_job", "worker", "device")
+STATE_LABELS = ("gpu", "gpu_instance_id", "training_job", "worker", "device")
 _AGGREGATE = re.compile(r"^(last|mean|min|max|increase|p([1-9]|[1-9][0-9]))$")
 DEFAULT_RULES = Path(__file__).with_name("default_rules.yaml")
 # Sample timestamps jitter by a few ms; without slack a condition held for exactly `for` would wait one

@@ -58,6 +58,46 @@ def gpu(index: int, **overrides: Any) -> dict[str, Any]:
     return state
 
 
+def hopper(index: int, **overrides: Any) -> dict[str, Any]:
+    """A simulated GPU with everything a Hopper has: GPM, NVLinks, remapped rows, a recovery action."""
+    state = gpu(index, gpm={"sm_activity": 12.5, "sm_occupancy": 8, "tensor_activity": 3, "dram_bandwidth": 20,
+                           "graphics_activity": 97},
+                nvlinks=[{"active": 1, "tx_kib": 1000 * (link + 1), "rx_kib": 2000 * (link + 1)} for link in range(2)]
+                + [{"active": 0, "tx_kib": 0, "rx_kib": 0}],
+                nvlink_errors={"crc_flit": 1, "crc_data": 0, "replay": 2, "recovery": 0},
+                remapped_rows={"correctable": 1, "uncorrectable": 0, "pending": 0, "failure": 0},
+                recovery_action=0, mig={"mode": 0})
+    state.update(overrides)
+    return state
+
+
+def mig_hopper(index: int, **overrides: Any) -> dict[str, Any]:
+    """A Hopper in MIG mode: two GPU instances (one with two compute instances), GPM per instance."""
+    instances = [
+        {"gpu_instance_id": 1, "compute_instance_id": 0, "uuid": f"MIG-{index:08d}-aaaa-0001-0000-000000000000",
+         "profile": "3g.40gb", "memory_total_bytes": 40 * 2**30, "memory_used_bytes": 2**30,
+         "gpm": {"sm_activity": 65, "sm_occupancy": 30, "tensor_activity": 40, "dram_bandwidth": 35,
+                 "graphics_activity": 90}},
+        {"gpu_instance_id": 2, "compute_instance_id": 0, "uuid": f"MIG-{index:08d}-aaaa-0002-0000-000000000000",
+         "profile": "1c.3g.40gb", "memory_total_bytes": 40 * 2**30, "memory_used_bytes": 2 * 2**30,
+         "gpm": {"sm_activity": 5, "sm_occupancy": 2, "tensor_activity": 0, "dram_bandwidth": 1,
+                 "graphics_activity": 30}},
+        {"gpu_instance_id": 2, "compute_instance_id": 1, "uuid": f"MIG-{index:08d}-aaaa-0002-0001-000000000000",
+         "profile": "1c.3g.40gb", "memory_total_bytes": 40 * 2**30, "memory_used_bytes": 2 * 2**30},
+    ]
+    state = hopper(index, mig={"mode": 1, "instances": instances},
+                   processes=[{"pid": 4242, "used_memory_bytes": 2**30, "gpu_instance_id": 2,
+                               "compute_instance_id": 0}])
+    state.update(overrides)
+    return state
+
+
+def volta(index: int, **overrides: Any) -> dict[str, Any]:
+    """A simulated V100: retired pages instead of remapped rows, no GPM, no MIG."""
+    return gpu(index, name="Tesla V100-SXM2-16GB", memory_total_bytes=16 * 2**30,
+               retired_pages={"single_bit": 2, "double_bit": 1, "pending": 1}, **overrides)
+
+
 class GpuState:
     """The JSON file the simulated libnvidia-ml.so.1 reads; rewrite it to script the GPUs."""
 

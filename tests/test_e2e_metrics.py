@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from helpers import TESTS, metric_value, wait_for
+from helpers import TESTS, GpuState, gpu, hopper, metric_value, mig_hopper, volta, wait_for
 
 GOLDEN = TESTS / "golden" / "metrics.prom"
 # Series whose values depend on the run: timings, versions, the test's own process ids.
@@ -32,10 +32,17 @@ def promtool() -> str:
     return path
 
 
-def test_scrape_matches_golden_file_and_passes_promtool(agents, gpus):
-    agent = agents(env=gpus.env())
-    wait_for(lambda: metric_value(agent.scrape(), "tfprofd_rule_active", rule="network_receive_saturated",
-                                  device="eth0") is not None, 10, message="two samples of every collector")
+def test_scrape_matches_golden_file_and_passes_promtool(agents, tmp_path, fakenvml):
+    """Every series the agent can export: a plain GPU, a Hopper with GPM and NVLink, one in MIG mode, a V100."""
+    state = GpuState(tmp_path / "nvml.json", [gpu(0), hopper(1), mig_hopper(2), volta(3)])
+    agent = agents(env=state.env())
+
+    def complete():
+        text = agent.scrape()
+        return (metric_value(text, "tfprofd_rule_active", rule="network_receive_saturated", device="eth0") is not None
+                and metric_value(text, "tfprofd_mig_sm_activity_ratio", gpu="2", gpu_instance_id="2") is not None)
+
+    wait_for(complete, 10, message="two samples of every collector")
     text = agent.scrape()
     got = deterministic(text)
     if os.environ.get("UPDATE_GOLDEN"):

@@ -29,7 +29,9 @@ def test_one_failing_gpu_leaves_the_other_exported(agents, tmp_path, fakenvml):
     assert metric_value(text, "tfprofd_gpus") == 2
     assert metric_value(text, "tfprofd_gpu_utilization_ratio", gpu="0") == 0.95
     assert metric_value(text, "tfprofd_gpu_utilization_ratio", gpu="1") is None
-    assert "GPU 1 skipped: NVML error: Unknown Error" in agent.log()
+    assert metric_value(text, "tfprofd_gpu_up", gpu="0") == 1
+    assert metric_value(text, "tfprofd_gpu_up", gpu="1") == 0  # uuid "": it never answered
+    assert "GPU 1 (uuid unknown) does not answer: NVML error: Unknown Error" in agent.log()
 
 
 def test_unsupported_fields_are_omitted_without_failing(agents, tmp_path, fakenvml):
@@ -43,7 +45,8 @@ def test_unsupported_fields_are_omitted_without_failing(agents, tmp_path, fakenv
 
 
 def test_state_file_removed_mid_run_then_restored(agents, gpus):
-    agent = agents(env=gpus.env())
+    """The driver goes away and comes back: NVML is initialized again (retried every retry_interval)."""
+    agent = agents(env=gpus.env(), args=["--collectors.nvml.retry-interval", "1s"])
     assert metric_value(agent.scrape(), "tfprofd_collector_success", collector="nvml") == 1
     gpus.path.unlink()
     wait_for(lambda: metric_value(agent.scrape(), "tfprofd_collector_success", collector="nvml") == 0, 5,

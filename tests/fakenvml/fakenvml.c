@@ -15,7 +15,7 @@
 
 typedef int nvmlReturn_t;
 enum {
-    OK = 0, ERR_UNINITIALIZED = 1, ERR_INVALID_ARGUMENT = 2, ERR_NOT_SUPPORTED = 3,
+    OK = 0, ERR_UNINITIALIZED = 1, ERR_INVALID_ARGUMENT = 2, ERR_NOT_SUPPORTED = 3, ERR_NO_PERMISSION = 4,
     ERR_NOT_FOUND = 6, ERR_INSUFFICIENT_SIZE = 7, ERR_DRIVER_NOT_LOADED = 9, ERR_TIMEOUT = 10,
     ERR_GPU_IS_LOST = 15, ERR_UNKNOWN = 999
 };
@@ -147,6 +147,7 @@ static jnode *state;
 static int state_present;
 static struct stat state_stat;
 static int initialized;
+static double init_generation; /* the state's "generation" when nvmlInit ran: a new one is a driver reload */
 static unsigned xid_delivered[MAX_GPUS];
 
 static int code_of(const char *name) {
@@ -154,6 +155,8 @@ static int code_of(const char *name) {
     if (!strcmp(name, "not_supported")) return ERR_NOT_SUPPORTED;
     if (!strcmp(name, "driver_not_loaded")) return ERR_DRIVER_NOT_LOADED;
     if (!strcmp(name, "not_found")) return ERR_NOT_FOUND;
+    if (!strcmp(name, "no_permission")) return ERR_NO_PERMISSION;
+    if (!strcmp(name, "uninitialized")) return ERR_UNINITIALIZED;
     return ERR_UNKNOWN;
 }
 
@@ -201,16 +204,29 @@ static const char *str_or(const jnode *obj, const char *key, const char *dflt) {
     return n && n->type == J_STR ? n->str : dflt;
 }
 
-static int is_unsupported(const jnode *gpu, const char *field) {
+/* The error a field answers with: listed in "unsupported", or named in the "errors" object. */
+static nvmlReturn_t field_error(const jnode *gpu, const char *field) {
     const jnode *list = jget(gpu, "unsupported");
     for (int i = 0; i < jlen(list); i++) {
         const jnode *s = jat(list, i);
-        if (s->type == J_STR && !strcmp(s->str, field)) return 1;
+        if (s->type == J_STR && !strcmp(s->str, field)) return ERR_NOT_SUPPORTED;
     }
-    return 0;
+    const char *err = str_or(jget(gpu, "errors"), field, NULL);
+    return err ? code_of(err) : OK;
 }
 
-static int handle_index(void *device) { return (int)((uintptr_t)device - 0x1000); }
+/* Handles: 0x1000 + index for a GPU; 0x100000 + 256 * index + slot for the MIG device in that slot. */
+#define MIG_BASE 0x100000
+static int is_mig(void *device) { return (uintptr_t)device >= MIG_BASE; }
+static int handle_index(void *device) {
+    uintptr_t h = (uintptr_t)device;
+    return h >= MIG_BASE ? (int)((h - MIG_BASE) / 256) : (int)(h - 0x1000);
+}
+static int mig_slot(void *device) { return (int)(((uintptr_t)device - MIG_BASE) % 256); }
+static int mig_enabled(const jnode *gpu) { return num_or(jget(gpu, "mig"), "mode", 0) == 1; }
+static const jnode *mig_instance(const jnode *gpu, int slot) {
+    return mig_enabled(gpu) ? jat(jget(jget(gpu, "mig"), "instances"), slot) : NULL;
+}
 
 /* Sleeps for the GPU's "delay_ms" (a hung driver call), without holding the lock. */
 static void delay(void *device) {
@@ -232,12 +248,27 @@ static nvmlReturn_t enter(void *device, const char *field, const jnode **gpu_out
     if (!initialized) { pthread_mutex_unlock(&lock); return ERR_UNINITIALIZED; }
     refresh();
     if (!state_present) { pthread_mutex_unlock(&lock); return ERR_GPU_IS_LOST; }
+    if (num_or(state, "generation", 0) != init_generation) { pthread_mutex_unlock(&lock); return ERR_UNINITIALIZED; }
     int idx = handle_index(device);
     const jnode *gpu = jat(jget(state, "gpus"), idx);
     if (idx < 0 || !gpu) { pthread_mutex_unlock(&lock); return ERR_GPU_IS_LOST; }
     const char *err = str_or(gpu, "error", NULL);
     if (err) { pthread_mutex_unlock(&lock); return code_of(err); }
-    if (field && is_unsupported(gpu, field)) { pthread_mutex_unlock(&lock); return ERR_NOT_SUPPORTED; }
+    nvmlReturn_t rc = field ? field_error(gpu, field) : OK;
+    if (rc != OK) { pthread_mutex_unlock(&lock); return rc; }
+    if (is_mig(device)) {
+        const jnode *mig = mig_instance(gpu, mig_slot(device));
+        if (!mig) { pthread_mutex_unlock(&lock); return ERR_INVALID_ARGUMENT; }
+        /* a MIG device answers identity, memory and instance ids; the rest is the parent's */
+        if (field && strcmp(field, "memory") && strcmp(field, "mig")) {
+            pthread_mutex_unlock(&lock);
+            return ERR_NOT_SUPPORTED;
+        }
+        *gpu_out = mig;
+        return OK;
+    }
+    /* in MIG mode the whole GPU's utilization is not reported (as on real hardware) */
+    if (field && !strcmp(field, "utilization") && mig_enabled(gpu)) { pthread_mutex_unlock(&lock); return ERR_NOT_SUPPORTED; }
     *gpu_out = gpu;
     return OK;
 }
@@ -257,7 +288,7 @@ nvmlReturn_t nvmlInitWithFlags(unsigned flags) {
     nvmlReturn_t rc = OK;
     if (!state_present) rc = ERR_DRIVER_NOT_LOADED;
     else if (str_or(state, "init_error", NULL)) rc = code_of(str_or(state, "init_error", ""));
-    else initialized = 1;
+    else { initialized = 1; init_generation = num_or(state, "generation", 0); }
     pthread_mutex_unlock(&lock);
     return rc;
 }
@@ -277,6 +308,9 @@ const char *nvmlErrorString(nvmlReturn_t rc) {
     case OK: return "Success";
     case ERR_UNINITIALIZED: return "Uninitialized";
     case ERR_NOT_SUPPORTED: return "Not Supported";
+    case ERR_NO_PERMISSION: return "Insufficient Permissions";
+    case ERR_INVALID_ARGUMENT: return "Invalid Argument";
+    case ERR_NOT_FOUND: return "Not Found";
     case ERR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
     case ERR_TIMEOUT: return "Timeout";
     case ERR_GPU_IS_LOST: return "GPU is lost";
@@ -299,6 +333,7 @@ nvmlReturn_t nvmlDeviceGetCount_v2(unsigned *count) {
     refresh();
     if (!initialized) rc = ERR_UNINITIALIZED;
     else if (!state_present) rc = ERR_UNKNOWN;
+    else if (num_or(state, "generation", 0) != init_generation) rc = ERR_UNINITIALIZED;
     else *count = (unsigned)gpu_count();
     pthread_mutex_unlock(&lock);
     return rc;
@@ -316,18 +351,25 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned index, void **device) {
     return rc;
 }
 
-#define DEVICE_GETTER(fname, field, body)                              \
+#define DEVICE_GETTER(fname, field, ...)                               \
     nvmlReturn_t fname {                                               \
         const jnode *gpu;                                              \
         nvmlReturn_t rc = enter(device, field, &gpu);                  \
         if (rc != OK) return rc;                                       \
-        body;                                                          \
+        __VA_ARGS__;                                                   \
         leave();                                                       \
         return OK;                                                     \
     }
 
-DEVICE_GETTER(nvmlDeviceGetName(void *device, char *name, unsigned length), NULL,
-              copy_str(name, length, str_or(gpu, "name", "NVIDIA H100 80GB HBM3")))
+DEVICE_GETTER(nvmlDeviceGetName(void *device, char *name, unsigned length), NULL, {
+    if (is_mig(device)) {
+        const jnode *parent = jat(jget(state, "gpus"), handle_index(device));
+        snprintf(name, length, "%s MIG %s", str_or(parent, "name", "NVIDIA H100 80GB HBM3"),
+                 str_or(gpu, "profile", "1g.10gb"));
+    } else {
+        copy_str(name, length, str_or(gpu, "name", "NVIDIA H100 80GB HBM3"));
+    }
+})
 DEVICE_GETTER(nvmlDeviceGetUUID(void *device, char *uuid, unsigned length), NULL,
               copy_str(uuid, length, str_or(gpu, "uuid", "GPU-00000000-0000-0000-0000-000000000000")))
 
@@ -397,8 +439,8 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(void *device, unsigned *cou
         const jnode *p = jat(procs, (int)i);
         infos[i].pid = (unsigned)num_or(p, "pid", 0);
         infos[i].usedGpuMemory = (unsigned long long)num_or(p, "used_memory_bytes", 0);
-        infos[i].gpuInstanceId = 0xFFFFFFFF;
-        infos[i].computeInstanceId = 0xFFFFFFFF;
+        infos[i].gpuInstanceId = (unsigned)num_or(p, "gpu_instance_id", 0xFFFFFFFF);
+        infos[i].computeInstanceId = (unsigned)num_or(p, "compute_instance_id", 0xFFFFFFFF);
     }
     *count = n;
     leave();
@@ -463,4 +505,182 @@ nvmlReturn_t nvmlEventSetWait_v2(event_set *set, nvmlEventData_t *data, unsigned
         if (waited >= timeout_ms) return ERR_TIMEOUT;
         nanosleep(&step, NULL);
     }
+}
+
+/* ---- health: remapped rows, retired pages, field values (recovery action, NVLink) ---- */
+DEVICE_GETTER(nvmlDeviceGetRemappedRows(void *device, unsigned *corr, unsigned *unc, unsigned *pending,
+                                        unsigned *failure), "remapped_rows", {
+    const jnode *r = jget(gpu, "remapped_rows");
+    if (!r) { leave(); return ERR_NOT_SUPPORTED; }
+    *corr = (unsigned)num_or(r, "correctable", 0);
+    *unc = (unsigned)num_or(r, "uncorrectable", 0);
+    *pending = (unsigned)num_or(r, "pending", 0);
+    *failure = (unsigned)num_or(r, "failure", 0);
+})
+
+nvmlReturn_t nvmlDeviceGetRetiredPages(void *device, int cause, unsigned *count, unsigned long long *addresses) {
+    const jnode *gpu;
+    nvmlReturn_t rc = enter(device, "retired_pages", &gpu);
+    if (rc != OK) return rc;
+    const jnode *r = jget(gpu, "retired_pages");
+    if (!r) { leave(); return ERR_NOT_SUPPORTED; }
+    unsigned n = (unsigned)num_or(r, cause == 0 ? "single_bit" : "double_bit", 0);
+    if (!addresses || *count < n) { *count = n; leave(); return n ? ERR_INSUFFICIENT_SIZE : OK; }
+    for (unsigned i = 0; i < n; i++) addresses[i] = 0x1000ULL * (i + 1);
+    *count = n;
+    leave();
+    return OK;
+}
+
+DEVICE_GETTER(nvmlDeviceGetRetiredPagesPendingStatus(void *device, int *pending), "retired_pages", {
+    const jnode *r = jget(gpu, "retired_pages");
+    if (!r) { leave(); return ERR_NOT_SUPPORTED; }
+    *pending = (int)num_or(r, "pending", 0);
+})
+
+DEVICE_GETTER(nvmlDeviceGetNvLinkState(void *device, unsigned link, unsigned *active), "nvlink", {
+    const jnode *l = jat(jget(gpu, "nvlinks"), (int)link);
+    if (!jget(gpu, "nvlinks")) { leave(); return ERR_NOT_SUPPORTED; }
+    if (!l) { leave(); return ERR_INVALID_ARGUMENT; }
+    *active = (unsigned)num_or(l, "active", 1);
+})
+
+typedef struct {
+    unsigned fieldId, scopeId;
+    long long timestamp, latencyUsec;
+    int valueType;
+    nvmlReturn_t nvmlReturn;
+    union { double d; unsigned long long ull; } value;
+} nvmlFieldValue_t;
+
+enum { FI_NVLINK_CRC_FLIT = 38, FI_NVLINK_CRC_DATA = 45, FI_NVLINK_REPLAY = 52, FI_NVLINK_RECOVERY = 59,
+       FI_NVLINK_TX = 138, FI_NVLINK_RX = 139, FI_RECOVERY_ACTION = 230 };
+
+static int field_value(const jnode *gpu, nvmlFieldValue_t *v) {
+    const jnode *errors = jget(gpu, "nvlink_errors"), *links = jget(gpu, "nvlinks"), *n = NULL;
+    switch (v->fieldId) {
+    case FI_NVLINK_CRC_FLIT: n = jget(errors, "crc_flit"); break;
+    case FI_NVLINK_CRC_DATA: n = jget(errors, "crc_data"); break;
+    case FI_NVLINK_REPLAY: n = jget(errors, "replay"); break;
+    case FI_NVLINK_RECOVERY: n = jget(errors, "recovery"); break;
+    case FI_NVLINK_TX: n = jget(jat(links, (int)v->scopeId), "tx_kib"); break;
+    case FI_NVLINK_RX: n = jget(jat(links, (int)v->scopeId), "rx_kib"); break;
+    case FI_RECOVERY_ACTION: n = jget(gpu, "recovery_action"); break;
+    }
+    if (!n || n->type != J_NUM) return ERR_NOT_SUPPORTED;
+    v->valueType = 3; /* unsigned long long */
+    v->value.ull = (unsigned long long)n->num;
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetFieldValues(void *device, int count, nvmlFieldValue_t *values) {
+    const jnode *gpu;
+    nvmlReturn_t rc = enter(device, "field_values", &gpu);
+    if (rc != OK) return rc;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    for (int i = 0; i < count; i++) {
+        values[i].timestamp = (long long)now.tv_sec * 1000000 + now.tv_nsec / 1000;
+        values[i].latencyUsec = 0;
+        values[i].nvmlReturn = field_value(gpu, &values[i]);
+    }
+    leave();
+    return OK;
+}
+
+/* ---- MIG ---- */
+DEVICE_GETTER(nvmlDeviceGetMigMode(void *device, unsigned *current, unsigned *pending), "mig", {
+    const jnode *mig = jget(gpu, "mig");
+    if (!mig) { leave(); return ERR_NOT_SUPPORTED; }
+    *current = *pending = (unsigned)num_or(mig, "mode", 0);
+})
+
+DEVICE_GETTER(nvmlDeviceGetMaxMigDeviceCount(void *device, unsigned *count), "mig", {
+    if (!jget(gpu, "mig")) { leave(); return ERR_NOT_SUPPORTED; }
+    *count = 7;
+})
+
+DEVICE_GETTER(nvmlDeviceGetMigDeviceHandleByIndex(void *device, unsigned index, void **mig), "mig", {
+    if (!mig_instance(gpu, (int)index)) { leave(); return ERR_NOT_FOUND; }
+    *mig = (void *)(uintptr_t)(MIG_BASE + 256 * handle_index(device) + index);
+})
+
+DEVICE_GETTER(nvmlDeviceGetGpuInstanceId(void *device, unsigned *id), "mig", {
+    if (!is_mig(device)) { leave(); return ERR_INVALID_ARGUMENT; }
+    *id = (unsigned)num_or(gpu, "gpu_instance_id", 0);
+})
+
+DEVICE_GETTER(nvmlDeviceGetComputeInstanceId(void *device, unsigned *id), "mig", {
+    if (!is_mig(device)) { leave(); return ERR_INVALID_ARGUMENT; }
+    *id = (unsigned)num_or(gpu, "compute_instance_id", 0);
+})
+
+/* ---- GPM: a sample keeps the readings of its moment; metrics are those of the second sample ---- */
+typedef struct { int taken; double values[16]; int present[16]; } gpm_sample;
+
+typedef struct {
+    unsigned metricId;
+    nvmlReturn_t nvmlReturn;
+    double value;
+    const char *shortName, *longName, *unit;
+} nvmlGpmMetric_t;
+
+typedef struct {
+    unsigned version, numMetrics;
+    gpm_sample *sample1, *sample2;
+    nvmlGpmMetric_t metrics[477];
+} nvmlGpmMetricsGet_t;
+
+typedef struct { unsigned version, isSupportedDevice; } nvmlGpmSupport_t;
+
+static const char *gpm_keys[16] = {
+    NULL, "graphics_activity", "sm_activity", "sm_occupancy", NULL, "tensor_activity", NULL, NULL, NULL, NULL,
+    "dram_bandwidth", NULL, NULL, NULL, NULL, NULL};
+
+DEVICE_GETTER(nvmlGpmQueryDeviceSupport(void *device, nvmlGpmSupport_t *support), "gpm",
+              support->isSupportedDevice = jget(gpu, "gpm") != NULL)
+
+nvmlReturn_t nvmlGpmSampleAlloc(gpm_sample **sample) {
+    *sample = calloc(1, sizeof **sample);
+    return OK;
+}
+
+nvmlReturn_t nvmlGpmSampleFree(gpm_sample *sample) {
+    free(sample);
+    return OK;
+}
+
+static void gpm_take(const jnode *readings, gpm_sample *sample) {
+    sample->taken = 1;
+    for (int i = 0; i < 16; i++) {
+        const jnode *n = gpm_keys[i] ? jget(readings, gpm_keys[i]) : NULL;
+        sample->present[i] = n && n->type == J_NUM;
+        sample->values[i] = sample->present[i] ? n->num : 0;
+    }
+}
+
+DEVICE_GETTER(nvmlGpmSampleGet(void *device, gpm_sample *sample), "gpm", {
+    if (!jget(gpu, "gpm")) { leave(); return ERR_NOT_SUPPORTED; }
+    gpm_take(jget(gpu, "gpm"), sample);
+})
+
+DEVICE_GETTER(nvmlGpmMigSampleGet(void *device, unsigned gpu_instance_id, gpm_sample *sample), "gpm", {
+    const jnode *instances = jget(jget(gpu, "mig"), "instances"), *found = NULL;
+    for (int i = 0; i < jlen(instances) && !found; i++)
+        if (num_or(jat(instances, i), "gpu_instance_id", -1) == gpu_instance_id) found = jat(instances, i);
+    if (!found || !jget(gpu, "gpm")) { leave(); return ERR_NOT_FOUND; }
+    gpm_take(jget(found, "gpm"), sample);
+})
+
+nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *get) {
+    if (!get || get->version != 1 || !get->sample1 || !get->sample2 || get->sample1 == get->sample2 ||
+        !get->sample1->taken || !get->sample2->taken || get->numMetrics > 477)
+        return ERR_INVALID_ARGUMENT;
+    for (unsigned i = 0; i < get->numMetrics; i++) {
+        unsigned id = get->metrics[i].metricId;
+        int ok = id < 16 && get->sample2->present[id];
+        get->metrics[i].nvmlReturn = ok ? OK : ERR_NOT_SUPPORTED;
+        get->metrics[i].value = ok ? get->sample2->values[id] : 0;
+    }
+    return OK;
 }
