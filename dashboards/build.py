@@ -120,6 +120,14 @@ def build() -> dashboard.Dashboard:
                             query(f"tfprofd_gpu_utilization_ratio{{{GPU}}}", "GPU {{gpu}} {{instance}}"),
                             query(f"tfprofd_gpu_memory_utilization_ratio{{{GPU}}}", "GPU {{gpu}} memory", "B"),
                             maximum=1))
+    d = d.with_panel(series("SM activity", "percentunit",
+                            query(f"tfprofd_gpu_sm_activity_ratio{{{GPU}}}", "GPU {{gpu}} {{instance}}"),
+                            query(f"tfprofd_mig_sm_activity_ratio{{{GPU}}}",
+                                  "GPU {{gpu}} MIG {{gpu_instance_id}} {{instance}}", "B"),
+                            query(f"tfprofd_gpu_tensor_activity_ratio{{{GPU}}}", "GPU {{gpu}} tensor cores", "C"),
+                            description="Fraction of SMs busy (GPM, Hopper and newer; per MIG instance too). "
+                                        "Utilization beside it only says a kernel ran: 100% utilization with low "
+                                        "SM activity is a GPU kept busy by small kernels.", maximum=1))
     d = d.with_panel(series("GPU memory used", "bytes",
                             query(f"tfprofd_gpu_memory_used_bytes{{{GPU}}}", "GPU {{gpu}} {{instance}}"),
                             query(f"max(tfprofd_gpu_memory_total_bytes{{{GPU}}})", "total", "B")))

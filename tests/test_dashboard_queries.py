@@ -17,8 +17,10 @@ from helpers import (
     GpuState,
     build_fakenvml,
     gpu,
+    hopper,
     http,
     job_reporting,
+    mig_hopper,
     start_prometheus,
     start_training,
     wait_capture,
@@ -52,7 +54,7 @@ def test_every_dashboard_query_parses_and_returns_data(tmp_path):
     if not shutil.which("prometheus"):
         pytest.fail("prometheus not found: run `make test`, which installs Debian's packages")
     build_fakenvml()
-    state = GpuState(tmp_path / "nvml.json", [gpu(0), gpu(1)])
+    state = GpuState(tmp_path / "nvml.json", [hopper(0), mig_hopper(1)])  # GPM for the SM activity panel
     # The shipped rules (for the rules panel) and the real /proc (for utilization ratios, which a static
     # fixture /proc cannot give).
     # A kubelet holding GPU 0 for the job's pod (the pod panels).
