@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: run test lint golden bench demo system-deps clean
+.PHONY: run test lint golden bench gpu-check demo system-deps clean
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,5 +46,11 @@ bench: $(VENV)/.test system-deps
 	$(MAKE) -s -C tests/fakenvml
 	$(PY) bench/run_all.py
 
+# The agent against the real NVML of this machine for 60 s (see bench/gpu_check.py); `build` needs a package
+# index, `run` only Python 3.10+ and the driver, so .gpu-check can be built here and run on a GPU machine.
+gpu-check:
+	$(PYTHON) bench/gpu_check.py build
+	$(PYTHON) bench/gpu_check.py run
+
 clean:
-	rm -rf $(VENV) tests/fakenvml/libnvidia-ml.so.1
+	rm -rf $(VENV) .gpu-check tests/fakenvml/libnvidia-ml.so.1

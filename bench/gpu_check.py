@@ -1,0 +1,157 @@
+"""The agent against real NVML, on a machine with a GPU: ``make gpu-check``.
+
+``build`` (on a machine with a package index) puts only what the agent needs for NVML sampling into
+``.gpu-check/site`` (prometheus-client, nvidia-ml-py, psutil, pyyaml and tfprofd itself, pure Python or
+abi3 wheels, about 5 MB): the GPU machine has NVML but no package registry, and any Python 3.10+ runs it.
+
+``run`` (on the GPU machine; the device tool carries ``.gpu-check``) starts the real agent with that
+directory alone on its path, against the real ``libnvidia-ml.so.1``, for ``--seconds`` (60), scrapes it,
+lints the scrape with promtool where there is one, and prints: the GPU model and driver, every GPU series,
+which NVML readings each GPU has, each collector's success and sampling duration, and every NVML call
+that failed. It writes the scrape, the log and the summary to ``$OUT`` (or ``--out``) when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE = ROOT / ".gpu-check" / "site"
+PACKAGES = ("prometheus-client", "nvidia-ml-py", "psutil", "pyyaml")
+SERIES = re.compile(r"^tfprofd_(gpu|gpus|mig|nvml)[a-z_]*[{ ]")
+SAMPLE = re.compile(r'^(?P<name>[a-z_]+)(\{(?P<labels>.*)\})? (?P<value>\S+)$')
+
+
+def build() -> int:
+    """Install the agent's NVML sampling needs into .gpu-check/site (no dependencies resolved beyond them)."""
+    shutil.rmtree(SITE, ignore_errors=True)
+    SITE.mkdir(parents=True)
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+           "--no-compile", "--target", str(SITE)]
+    subprocess.run([*pip, "--only-binary", ":all:", *PACKAGES], check=True)
+    subprocess.run([*pip, str(ROOT)], check=True)
+    size = sum(f.stat().st_size for f in SITE.rglob("*") if f.is_file())
+    print(f"built {SITE.relative_to(ROOT)}: {size / 2**20:.1f} MB")
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def parse(text: str) -> list[tuple[str, dict[str, str], float]]:
+    out = []
+    for line in text.splitlines():
+        m = SAMPLE.match(line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m["labels"] or ""))
+            out.append((m["name"], labels, float(m["value"])))
+    return out
+
+
+def run(seconds: float, out: Path | None) -> int:
+    if not (SITE / "tfprofd").is_dir():
+        print(f"{SITE} is missing: run `python3 bench/gpu_check.py build` where pip can reach an index",
+              file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp(prefix="tfprofd-gpu-check-"))
+    port = free_port()
+    args = [sys.executable, "-S", "-m", "tfprofd.daemon", "run", "--listen", f"127.0.0.1:{port}",
+            "--api.listen", f"127.0.0.1:{free_port()}", "--hook.listen", f"127.0.0.1:{free_port()}",
+            "--hook.socket", str(tmp / "hook.sock"), "--state-dir", str(tmp / "state"), "--interval", "1s"]
+    env = {**os.environ, "PYTHONPATH": str(SITE), "PYTHONUNBUFFERED": "1"}
+    env.pop("TFPROFD_CONFIG", None)
+    log_path = tmp / "agent.log"
+    with open(log_path, "wb") as log:
+        agent = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    scrape(port)
+                    break
+                except OSError:
+                    if agent.poll() is not None or time.monotonic() > deadline:
+                        print(log_path.read_text(), file=sys.stderr)
+                        return 1
+                    time.sleep(0.2)
+            started = time.monotonic()
+            durations: dict[str, list[float]] = {}
+            while time.monotonic() - started < seconds:
+                for name, labels, value in parse(scrape(port)):
+                    if name == "tfprofd_collector_duration_seconds":
+                        durations.setdefault(labels["collector"], []).append(value)
+                time.sleep(1)
+            text = scrape(port)
+        finally:
+            agent.terminate()
+            agent.wait(10)
+    lint = "promtool not found"
+    if shutil.which("promtool"):
+        result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        lint = "clean" if result.returncode == 0 and not (result.stdout + result.stderr).strip() else (
+            (result.stdout + result.stderr).strip())
+    summary = summarize(text, durations, log_path.read_text(), lint, seconds)
+    print(summary)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.prom").write_text(text)
+        (out / "agent.log").write_text(log_path.read_text())
+        (out / "summary.txt").write_text(summary)
+    return 0
+
+
+def summarize(text: str, durations: dict[str, list[float]], log: str, lint: str, seconds: float) -> str:
+    samples = parse(text)
+    lines = [f"agent ran {seconds:.0f} s against real NVML; promtool: {lint}"]
+    for name, labels, _ in samples:
+        if name == "tfprofd_gpu_info":
+            lines.append(f"GPU {labels['gpu']}: {labels['name']} ({labels['uuid']}), driver {labels['driver_version']}")
+    gpus = sorted({labels["gpu"] for name, labels, _ in samples if name.startswith("tfprofd_gpu_") and "gpu" in labels})
+    for g in gpus:
+        have = sorted({name.removeprefix("tfprofd_") for name, labels, _ in samples if labels.get("gpu") == g})
+        lines.append(f"GPU {g} readings ({len(have)}): {', '.join(have)}")
+    lines.append("collectors (success, sampling duration median/max over the run):")
+    for name, labels, value in samples:
+        if name == "tfprofd_collector_success":
+            d = sorted(durations.get(labels["collector"], [0.0]))
+            lines.append(f"  {labels['collector']:12s} success {value:.0f}  {d[len(d) // 2] * 1000:.2f} / "
+                         f"{d[-1] * 1000:.2f} ms")
+    failed = [f"  {labels['call']}: {labels['error']} x{value:.0f}" for name, labels, value in samples
+              if name == "tfprofd_nvml_errors_total"]
+    lines.append("NVML calls that failed:" + ("\n" + "\n".join(failed) if failed else " none"))
+    warnings = [line for line in log.splitlines() if "level=warning" in line or "level=error" in line]
+    lines.append("agent warnings:" + ("\n  " + "\n  ".join(warnings) if warnings else " none"))
+    lines.append("GPU series:")
+    lines += [f"  {line}" for line in text.splitlines() if SERIES.match(line)]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("step", choices=("build", "run"))
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    options = parser.parse_args()
+    return build() if options.step == "build" else run(options.seconds, options.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
