@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from helpers import GpuState, build_fakenvml, free_port, gpu, hopper  # noqa: E402
+from helpers import GpuState, build_fakenvml, free_port, hopper  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -47,7 +47,7 @@ def wait_http(url: str, timeout: float = 20) -> None:
 def start_agent(tmp: Path, gpus: int, interval: str = "1s", extra: list[str] | None = None,
                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
     build_fakenvml()
-    state = GpuState(tmp / "nvml.json", [hopper(i) for i in range(gpus)]  # every NVML reading a Hopper has)
+    state = GpuState(tmp / "nvml.json", [hopper(i) for i in range(gpus)])  # every reading a Hopper has
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tfprofd.daemon", "run", "--listen", f"127.0.0.1:{port}",
