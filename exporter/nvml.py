@@ -154,6 +154,7 @@ class NvmlCollector(Collector):
         self._gpm = GpmSampler(self)
         self._nvlinks: dict[str, tuple[int, ...]] = {}  # uuid -> the links NVML knows on it
         self._errors: dict[tuple[str, str], int] = {}  # (call, error) -> optional reads that failed
+        self.error_counts: tuple[tuple[tuple[str, str], int], ...] = ()  # _errors as the last sample left it
         self._logged: set[tuple[int, str, str]] = set()
         self._mig_warned: set[str] = set()
         self._gpu = -1  # the GPU being sampled, for messages
@@ -246,6 +247,7 @@ class NvmlCollector(Collector):
                 self._failing_gpus.discard(index)
                 log.info("GPU %d answers again", index)
         self.gpus, self.down = gpus, down
+        self.error_counts = tuple(sorted(self._errors.items()))  # a scrape never iterates a dict being changed
         if reinit is None and down and not gpus:
             reinit = "no GPU answers"
         if reinit is not None:
@@ -446,7 +448,7 @@ class NvmlCollector(Collector):
                     [*((ids(g), 1) for g in gpus), *(([str(i), uuid], 0) for i, uuid in self.down)])
         yield counter("nvml_errors", "Total NVML readings left out because the call failed with an error other "
                       "than not supported (the GPU's other readings were exported), by call and error.",
-                      ["call", "error"], ((list(key), n) for key, n in sorted(self._errors.items())))
+                      ["call", "error"], ((list(key), n) for key, n in self.error_counts))
         yield gauge("gpu_info", "GPU metadata: model, PCI bus id and driver version; the value is 1.",
                     [*labels, "name", "pci_bus_id", "driver_version"],
                     (([*ids(g), g.name, g.pci_bus_id, self.driver_version], 1) for g in gpus))
