@@ -80,15 +80,13 @@ class CollectorRunner:
         self._thread = threading.Thread(target=self._guarded_loop, name=f"tfprofd-{self.name}", daemon=True)
         self._failing_logged = False
         self._subscriber_errors: dict[str, str] = {}
-        self._publishing = threading.Lock()
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop sampling; once this returns, no snapshot is published (one in flight finishes first)."""
-        with self._publishing:
-            self._stop.set()
+        """Stop sampling without waiting: a sample that finishes afterwards is not published."""
+        self._stop.set()
         self._woken.set()
 
     def join(self, timeout: float) -> None:
@@ -146,9 +144,8 @@ class CollectorRunner:
         return snapshot
 
     def _publish(self, snapshot: Snapshot) -> None:
-        with self._publishing:
-            if not self._stop.is_set():  # a sample that outlived stop() (blocked in a library call) is dropped
-                self._notify(snapshot)
+        if not self._stop.is_set():  # a sample that outlived stop() (blocked in a library call) is dropped
+            self._notify(snapshot)
 
     def _notify(self, snapshot: Snapshot) -> None:
         for subscriber in self.subscribers:
