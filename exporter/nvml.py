@@ -8,6 +8,7 @@ skipped (and the collector's success reads 0) while the others keep being export
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -585,10 +586,14 @@ def _field_values(values: Sequence[object]) -> Iterator[float | None]:
 
 def _error_name(nvml: ModuleType, code: object) -> str:
     """NVML's name of an error code ("NO_PERMISSION"), bounded to the codes NVML defines."""
-    for name in dir(nvml):
-        if name.startswith("NVML_ERROR_") and getattr(nvml, name) == code:
-            return name.removeprefix("NVML_ERROR_")
-    return "UNKNOWN"
+    return _error_names(nvml).get(code, "UNKNOWN")  # type: ignore[call-overload]
+
+
+@functools.cache
+def _error_names(nvml: ModuleType) -> dict[object, str]:
+    """Every NVML_ERROR_* code of the module, named: built once, not on each failed call of each sample."""
+    return {getattr(nvml, name): name.removeprefix("NVML_ERROR_") for name in reversed(dir(nvml))
+            if name.startswith("NVML_ERROR_")}
 
 
 class GpmSampler:
