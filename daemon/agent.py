@@ -7,7 +7,6 @@ import ctypes
 import gc
 import logging
 import os
-import queue
 import signal
 import socket
 import stat
@@ -39,6 +38,7 @@ from .sampler import CollectorRunner, Snapshot
 
 log = logging.getLogger("tfprofd.agent")
 M_ARENA_MAX = -8  # mallopt parameter (malloc.h)
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 class StartError(Exception):
@@ -61,7 +61,10 @@ class Agent:
         self.servers: list[HttpServer] = []
         self.loop = EventLoop()
         self.captures: CaptureService | None = None
-        self._events: queue.SimpleQueue[str] = queue.SimpleQueue()  # put() is safe in a signal handler
+        # Signals arrive as bytes on a socket pair (signal.set_wakeup_fd): the kernel may deliver one to any
+        # thread, and only a write to a file descriptor wakes a main thread blocked waiting for it.
+        self._signals, self._signal_writer = socket.socketpair()
+        self._signal_writer.setblocking(False)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._live_failed: set[str] = set()
@@ -180,17 +183,20 @@ class Agent:
         return True
 
     def install_signal_handlers(self) -> None:
-        for sig, event in ((signal.SIGTERM, "stop"), (signal.SIGINT, "stop"), (signal.SIGHUP, "reload")):
-            signal.signal(sig, lambda *_, e=event: self._events.put(e))
-
-    def request_stop(self) -> None:
-        self._events.put("stop")
+        """Route SIGTERM, SIGINT and SIGHUP to ``wait()`` (call from the main thread, before threads start)."""
+        for sig in STOP_SIGNALS | {signal.SIGHUP}:
+            signal.signal(sig, lambda *_: None)  # the wakeup fd carries the signal; the handler only catches it
+        signal.set_wakeup_fd(self._signal_writer.fileno(), warn_on_full_buffer=False)
 
     def wait(self) -> None:
         """Block until asked to stop, reloading whenever asked."""
-        while self._events.get() != "stop":
-            self.reload()
-        self.stop()
+        while True:
+            for signum in self._signals.recv(64):
+                if signum in STOP_SIGNALS:
+                    self.stop()
+                    return
+                if signum == signal.SIGHUP:
+                    self.reload()
 
     def stop(self) -> None:
         """Stop everything within about a second; a collector blocked in a library call is left behind."""

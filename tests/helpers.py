@@ -223,7 +223,7 @@ class AgentProcess:
         self.proc.send_signal(sig)
 
     def stop(self, timeout: float = 5) -> float:
-        """SIGTERM and wait; returns how long the agent took to exit."""
+        """SIGTERM, wait up to ``timeout`` seconds, then SIGKILL (returncode -9); returns the seconds it took."""
         if not self.proc or self.proc.poll() is not None:
             return 0.0
         started = time.monotonic()

@@ -228,7 +228,7 @@ def test_sigterm_during_a_capture_finishes_its_record_as_agent_stopped(rig, tmp_
         wait_for(lambda: any(p.cmdline()[-1:] == ["tfprofd.daemon.capture_worker"]
                              for p in psutil.Process(agent.proc.pid).children()), 10, message="the capture worker")
         took = agent.stop()
-        assert took < 2.0, f"stop took {took:.2f}s"
+        assert agent.proc.returncode == 0, f"killed after {took:.1f}s"
         record = json.loads((tmp_path / "state" / "records" / f"{answer['id']}.json").read_text())
         assert (record["status"], record["reason"]) == ("failed", "agent_stopped"), record
         agent.start()
