@@ -11,7 +11,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ class CaptureService:
         self._records: dict[str, CaptureRecord] = {}
         self._finished: dict[tuple[str, str], int] = {}
         self._threads: set[threading.Thread] = set()
+        self._stopped = False
         self._lock = threading.Lock()
         self.on_change: Callable[[], None] = lambda: None  # a record started or ended: its metrics changed
         for record in store.load():
@@ -192,6 +193,8 @@ class CaptureService:
         log.info("capture %s analysed: job=%s %s", record.id, record.job, result.get("summary"))
 
     def _save(self, record: CaptureRecord) -> None:
+        if self._stopped and record.status in ACTIVE:  # stop() saved it final
+            return
         try:
             self.store.save(record)
         except OSError as exc:  # the record stays right in memory; it is lost only if the agent restarts
@@ -252,13 +255,23 @@ class CaptureService:
     # ---- lifecycle ----
 
     def stop(self, timeout: float = 1.0) -> None:
-        """Kill running workers; their records finish as failed (agent_stopped), not silently lost."""
+        """Kill running workers; their records finish as failed (agent_stopped), not silently lost.
+
+        A capture thread that has not ended within ``timeout`` (a busy host) may not end before the process
+        exits: its record is saved final here, and nothing saves it active again."""
         self.capture_workers.stop()
         self.analysis_workers.stop()
         with self._lock:
             threads = list(self._threads)
         for thread in threads:
             thread.join(timeout / max(len(threads), 1))
+        with self._lock:
+            self._stopped = True
+            left = [r for r in self._records.values() if r.status in ACTIVE]
+        for record in left:
+            self._save(replace(
+                record, status="failed", reason="agent_stopped", finished_at=record.finished_at or self.clock.time(),
+                detail=f"the agent stopped during the {'analysis' if record.status == 'analyzing' else 'capture'}"))
 
     # ---- metrics, from the records at scrape time ----
 

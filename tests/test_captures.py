@@ -297,6 +297,7 @@ def test_a_steady_job_gets_a_baseline_and_later_captures_say_what_changed(rig, t
         status, answer = post_capture(agent, {"job": "lent", "duration_ms": 1000})
         assert status == 202, answer
         incident = wait_capture(agent, answer["id"], timeout=120)
+        assert incident["status"] == "done", incident
         comparison = incident["analysis"]["comparison"]
         assert comparison["baseline_id"] == record["id"]
         assert incident["analysis"]["summary"].startswith(comparison["summary"])

@@ -121,6 +121,28 @@ def test_a_capture_whose_worker_raises_ends_failed_and_frees_its_process(tmp_pat
     assert running.samples[0].value == 0
 
 
+def test_stop_leaves_no_record_running_on_disk_when_a_capture_thread_is_slow_to_end(tmp_path, monkeypatch):
+    """On a busy host a capture thread may not end before the agent exits: its record must still be final."""
+    captures = service(tmp_path)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return Outcome("stopped", None, "the agent stopped")
+
+    monkeypatch.setattr(captures.capture_workers, "run", slow)
+    [record] = captures.request("manual")
+    assert entered.wait(10)
+    captures.stop(timeout=0.01)
+    saved = json.loads((tmp_path / "records" / f"{record.id}.json").read_text())
+    assert (saved["status"], saved["reason"]) == ("failed", "agent_stopped"), saved
+    release.set()
+    wait_for(lambda: captures.get(record.id).status == "failed", 10, message="the thread to end")
+    saved = json.loads((tmp_path / "records" / f"{record.id}.json").read_text())
+    assert (saved["status"], saved["reason"]) == ("failed", "agent_stopped"), saved
+
+
 def test_a_failed_analysis_ends_the_record_and_a_good_one_finishes_it(tmp_path, monkeypatch):
     captures = service(tmp_path)
     monkeypatch.setattr(captures.capture_workers, "run",
