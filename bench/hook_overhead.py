@@ -1,54 +1,70 @@
 """The training hook's interference with the training it observes, as users get it, measured in one run.
 
-A small Keras model (about 1 ms per step on this CPU, where a per-step cost shows most) trains in short
-fit() calls, one per variant per round, the order rotated each round:
+A small Keras model (under 1 ms per step on this CPU, where a per-step cost shows most) trains with each
+variant in turn:
 
 - no callback, on a dataset whose batch size TensorFlow cannot know in advance (``.batch(16)``, the default);
 - ``TfprofdCallback(job=...)`` with its defaults (profiler server started, step markers on, real batch sizes
   counted in the train step), on the same dataset;
 - no callback and the default callback on a dataset with static batches (``drop_remainder=True``), where the
-  hook adds no op to the train step: both run on one model, so their ratio is the hook's cost alone;
+  hook adds no op to the train step;
 - Keras's own ``TensorBoard(update_freq="batch")``, the anchor;
-- a second no-callback run of that same model, the control: its ratio to the first shows what two identical
-  runs differ by here, the floor under every other ratio.
+- no callback again, the control: its ratio to the first shows what two identical runs differ by here.
 
-The dynamic pair runs on two model instances (the callback's counting op must not reach the baseline); its
-ratio also holds whatever two identical models differ by (about 1% on this machine, measured before).
-The reporter thread, once started, keeps running through later baseline runs, so its cost (one report a
-second) is in no ratio; the microbenchmark below times one report apart.
+Every variant runs on **one** model (the same weights in the same buffers): the callback's variants call the
+train function it rebuilt with its counting op, the others the train function Keras built before.
 
-Each variant's ratio is taken against the no-callback run of the same round and dataset (paired), and
-rounds go on until the 95% confidence interval of the median ratio (bootstrap) lies on one side of the
-0.99 target and is narrower than the distance of the median from 1 (the spread is below the effect), or
-until it is within ±0.25%.
-Target: median ratio >= 0.99 for the default callback. Then a microbenchmark of the callback's per-batch
-hooks with profiling off (target < 2 us).
+The variants take turns every ``BLOCK`` steps, in a new random order each round, through Keras's own
+``CallbackList`` and train functions in the three lines of Keras 3's ``fit`` loop (``on_train_batch_begin``,
+``train_function(iterator)``, ``on_train_batch_end``). A machine's speed drifts by several percent over
+seconds (whole ``fit`` calls of 1,500 steps, the variants in rotated order, differed by ±5-10% here and
+resolved nothing); turns of 25 steps see the same machine, so each variant's rate over the no-callback
+turn of its round (paired) resolves a fraction of a percent within one process.
+
+Between processes the same comparison moves by up to ±1.5% (the memory layout a process draws), so the
+measure runs in ``PROCESSES`` fresh worker processes, one after another, ``SECONDS`` each. The median of all
+paired ratios gets a 95% interval from a two-level bootstrap (processes, then rounds within each), and more
+processes run until that interval lies on one side of the 0.99 target and is narrower than the distance of
+the median from 1 (the spread is below the effect), or is within ±0.25%, and the control's holds 1.
+
+Each process also times the callback's per-batch hooks in a tight loop with profiling off (target < 2 us)
+and one report. Target: median ratio >= 0.99 for the default callback.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.callbacks.callback_list import CallbackList
 
 from tfprofd.exporter.hook import TfprofdCallback
 
-STEPS = 1500
+STEPS = 1500  # of the dataset
 BATCH = 16
-MIN_ROUNDS, MAX_ROUNDS, MAX_SECONDS = 30, 400, 600
+BLOCK = 25  # steps per turn
+SECONDS = 60  # of turns per process
+MIN_PROCESSES, MAX_PROCESSES = 4, 10
 TARGET = 0.99
 PRECISE = 0.0025  # a confidence interval within ±0.25% is precise enough whatever the effect
 # Fewer, steadier threads on a small machine: round-to-round noise otherwise dwarfs the effect.
 tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
+
+BASELINE_OF = {"tfprofd": "none", "tfprofd_static": "none_static", "tensorboard": "none", "control": "none"}
 
 
 def make_model() -> keras.Model:
@@ -66,97 +82,158 @@ def median_ci(ratios: list[float], draws: int = 2000) -> tuple[float, float, flo
     return statistics.median(ratios), medians[int(0.025 * draws)], medians[int(0.975 * draws)]
 
 
-def paired(rates: dict[str, list[float]], baseline_of: dict[str, str]) -> dict[str, list[float]]:
+def grouped_ci(groups: list[list[float]], draws: int = 1000) -> tuple[float, float, float]:
+    """(median, low, high) of the pooled values; the 95% interval resamples groups, then values in each."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median([v for g in rng.choices(groups, k=len(groups))
+                                        for v in rng.choices(g, k=len(g))]) for _ in range(draws))
+    return statistics.median([v for g in groups for v in g]), medians[int(0.025 * draws)], medians[int(0.975 * draws)]
+
+
+def paired(measured: dict[str, list[float]]) -> dict[str, list[float]]:
     """Each variant's rate over its baseline's in the same round."""
-    return {v: [a / b for a, b in zip(rates[v], rates[base], strict=True)] for v, base in baseline_of.items()}
+    return {v: [a / b for a, b in zip(measured[v], measured[base], strict=True)] for v, base in BASELINE_OF.items()}
 
 
-def settled(ratios: list[float]) -> bool:
-    median, low, high = median_ci(ratios)
+def settled(groups: list[list[float]]) -> bool:
+    median, low, high = grouped_ci(groups)
     half = (high - low) / 2
     return half < PRECISE or (half < abs(1 - median) and not low < TARGET < high)
 
 
-def main() -> dict[str, float]:
-    x = np.random.default_rng(0).normal(size=(STEPS * BATCH + 5, 32)).astype("float32")  # a partial last batch
-    y = x.sum(axis=1, keepdims=True)
-    data = tf.data.Dataset.from_tensor_slices((x, y))
-    dynamic = data.batch(BATCH).cache()
-    static = data.batch(BATCH, drop_remainder=True).cache()
-    logdir = tempfile.mkdtemp()
-    # The dynamic-batch pair needs two models: the callback wraps its model's train step with a counting op
-    # that a baseline must not run. On static batches the wrapped step has no extra op, so the callback and
-    # its baseline (and the control) share one model: no difference of model instances in their ratio.
-    dynamic_none, dynamic_hooked, static_model = make_model(), make_model(), make_model()
-    variants = {
-        "none": (dynamic_none, dynamic, lambda: []),
-        "tfprofd": (dynamic_hooked, dynamic, lambda: [TfprofdCallback(job="bench")]),
-        "none_static": (static_model, static, lambda: []),
-        "tfprofd_static": (static_model, static, lambda: [TfprofdCallback(job="bench-static")]),
-        "tensorboard": (make_model(), dynamic, lambda: [keras.callbacks.TensorBoard(logdir, update_freq="batch")]),
-        "control": (static_model, static, lambda: []),
-    }
-    baseline_of = {"tfprofd": "none", "tfprofd_static": "none_static", "tensorboard": "none",
-                   "control": "none_static"}
-    for model, ds, callbacks in variants.values():  # warm-up: trace and build every train function
-        model.fit(ds, epochs=1, callbacks=callbacks(), verbose=0)
-    rates: dict[str, list[float]] = {name: [] for name in variants}  # samples per second of wall time
-    cpu_rates: dict[str, list[float]] = {name: [] for name in variants}  # per second of the process's CPU time
-    names = list(variants)
-    started = time.monotonic()
-    rounds = 0
-    while rounds < MAX_ROUNDS and time.monotonic() - started < MAX_SECONDS:
-        for name in names[rounds % len(names):] + names[:rounds % len(names)]:
-            model, ds, callbacks = variants[name]
-            cbs = callbacks()
-            t0, c0 = time.perf_counter(), time.process_time()
-            model.fit(ds, epochs=1, callbacks=cbs, verbose=0)
-            rates[name].append(STEPS * BATCH / (time.perf_counter() - t0))
-            cpu_rates[name].append(STEPS * BATCH / (time.process_time() - c0))
-        rounds += 1
-        ratios = paired(cpu_rates, baseline_of)
-        if rounds % 10 == 0:
-            print(f"  round {rounds}: median CPU-time ratio of the default callback so far "
-                  f"{statistics.median(ratios['tfprofd']):.4f}", flush=True)
-        if rounds >= MIN_ROUNDS and settled(ratios["tfprofd"]) and settled(ratios["tfprofd_static"]):
-            break
-    step_ms = BATCH * 1000 / statistics.median(rates["none"])
-    print(f"{rounds} rounds ({time.monotonic() - started:.0f} s) of {STEPS} steps, batch {BATCH}, "
-          f"{step_ms:.2f} ms per step without callback; paired ratios to no callback, median [95% CI]:")
-    result: dict[str, float] = {"rounds": rounds, "step_ms": step_ms}
-    for clock, measured in (("wall", rates), ("cpu", cpu_rates)):
-        print(f" samples per second of {'wall' if clock == 'wall' else 'CPU'} time:")
-        for variant, ratio in paired(measured, baseline_of).items():
-            median, low, high = median_ci(ratio)
-            result[f"{clock}_{variant}"], result[f"{clock}_{variant}_low"], result[f"{clock}_{variant}_high"] = \
-                median, low, high
-            target = "  (target >= 0.99)" if variant.startswith("tfprofd") else ""
-            print(f"  {variant:15s} {statistics.median(measured[variant]):9.0f} against "
-                  f"{statistics.median(measured[baseline_of[variant]]):9.0f}: {median:.4f} "
-                  f"[{low:.4f}, {high:.4f}]{target}")
+class Turn:
+    """One variant of the interleaved measure: its callbacks, train function and iterator, as fit has them."""
 
+    def __init__(self, model: keras.Model, train_function: Callable[[Any], Any], dataset: tf.data.Dataset,
+                 callbacks: list[keras.callbacks.Callback]):
+        self.train_function = train_function
+        self.iterator = iter(dataset.repeat())
+        self.callbacks = CallbackList(callbacks, add_history=True, add_progbar=False, verbose=0, epochs=1,
+                                      steps=None, model=model)
+        self.step = 0
+
+    def run(self, steps: int) -> float:
+        """Seconds ``steps`` steps took, through the lines of Keras 3's fit loop."""
+        callbacks, train_function, iterator, first = self.callbacks, self.train_function, self.iterator, self.step
+        started = time.perf_counter()
+        for step in range(first, first + steps):
+            callbacks.on_train_batch_begin(step)
+            logs = train_function(iterator)
+            callbacks.on_train_batch_end(step, logs)
+        elapsed = time.perf_counter() - started
+        self.step = first + steps
+        return elapsed
+
+
+def interleaved(model: keras.Model, dynamic: tf.data.Dataset, static: tf.data.Dataset, logdir: str) -> dict:
+    """Each variant's paired ratios in this process, and the no-callback step time."""
+    for ds in (static, dynamic):  # trace the plain train function for both batch shapes, static first
+        model.fit(ds.take(20), epochs=1, verbose=0)
+    plain = model.train_function
+    hooked = [TfprofdCallback(job="bench"), TfprofdCallback(job="bench-static")]
+    turns = {
+        "none": Turn(model, plain, dynamic, []),
+        "control": Turn(model, plain, dynamic, []),
+        "none_static": Turn(model, plain, static, []),
+        "tensorboard": Turn(model, plain, dynamic, [keras.callbacks.TensorBoard(logdir, update_freq="batch")]),
+    }
+    for turn in turns.values():
+        turn.callbacks.on_train_begin()
+        turn.callbacks.on_epoch_begin(0)
+    # The callback rebuilds the model's train function with its counting op at on_train_begin.
+    callback_lists = [CallbackList([cb], add_history=True, add_progbar=False, verbose=0, epochs=1, steps=None,
+                                   model=model) for cb in hooked]
+    for callbacks in callback_lists:
+        callbacks.on_train_begin()
+        callbacks.on_epoch_begin(0)
+    wrapped = model.train_function
+    for name, ds, callbacks in (("tfprofd", dynamic, callback_lists[0]),
+                                ("tfprofd_static", static, callback_lists[1])):
+        turn = Turn(model, wrapped, ds, [])
+        turn.callbacks = callbacks
+        turns[name] = turn
+    for name in ("tfprofd_static", *turns):  # warm-up: trace the wrapped function (static first), fill caches
+        turns[name].run(BLOCK * 4)
+    times: dict[str, list[float]] = {name: [] for name in turns}
+    rng = random.Random()
+    started = time.monotonic()
+    while time.monotonic() - started < SECONDS:
+        order = list(turns)
+        rng.shuffle(order)
+        for name in order:
+            times[name].append(BLOCK / turns[name].run(BLOCK))  # steps per second
+    for callbacks in callback_lists:
+        callbacks.on_train_end()
+    return {"ratios": paired(times), "step_ms": 1000 / statistics.median(times["none"])}
+
+
+def micro(model: keras.Model) -> dict[str, float]:
+    """The callback's per-batch hooks in a tight loop (profiling off) and one report, in microseconds."""
     callback = TfprofdCallback(job="micro", profiler=False)
-    callback.set_model(variants["tfprofd"][0])
+    callback.set_model(model)
     n = 200_000
     t0 = time.perf_counter()
-    for i in range(n):
+    for i in range(n):  # Keras calls both; the callback's own work is in the first
         callback.on_train_batch_begin(i)
         callback.on_train_batch_end(i)
     per_batch_us = (time.perf_counter() - t0) / n * 1e6
     t0 = time.perf_counter()
     for _i in range(n):
         pass
-    result["hook_us"] = per_batch_us - (time.perf_counter() - t0) / n * 1e6
-    print(f"per-batch cost of the callback's hooks, profiling off: {result['hook_us']:.2f} us  (target < 2 us)")
+    hook_us = per_batch_us - (time.perf_counter() - t0) / n * 1e6
     callback.on_train_begin()  # the exact counts a report reads from TensorFlow, as during fit()
     n = 2000
     t0 = time.perf_counter()
     for _i in range(n):
         callback.reporter.flush()
-    result["report_us"] = (time.perf_counter() - t0) / n * 1e6
-    print(f"one report (the reporter thread's work each second): {result['report_us']:.0f} us")
+    return {"hook_us": hook_us, "report_us": (time.perf_counter() - t0) / n * 1e6}
+
+
+def worker() -> None:
+    """One process's measure, as JSON on the last line of stdout."""
+    x = np.random.default_rng(0).normal(size=(STEPS * BATCH + 5, 32)).astype("float32")  # a partial last batch
+    y = x.sum(axis=1, keepdims=True)
+    data = tf.data.Dataset.from_tensor_slices((x, y))
+    model = make_model()
+    result = interleaved(model, data.batch(BATCH).cache(), data.batch(BATCH, drop_remainder=True).cache(),
+                         tempfile.mkdtemp())
+    result.update(micro(model))
+    print(json.dumps(result))
+
+
+def main() -> dict[str, float]:
+    runs: list[dict] = []
+    while len(runs) < MAX_PROCESSES:
+        out = subprocess.run([sys.executable, __file__, "--worker"], capture_output=True, text=True, check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        ratios = {v: [run["ratios"][v] for run in runs] for v in BASELINE_OF}
+        medians = "  ".join(f"{v} {statistics.median(ratios[v][-1]):.4f}" for v in BASELINE_OF)
+        print(f"process {len(runs)}: {len(ratios['control'][-1])} rounds; {medians}", flush=True)
+        _, low, high = grouped_ci(ratios["control"])
+        if (len(runs) >= MIN_PROCESSES and low <= 1 <= high and settled(ratios["tfprofd"])
+                and settled(ratios["tfprofd_static"])):
+            break
+    step_ms = statistics.median(run["step_ms"] for run in runs)
+    rounds = sum(len(run["ratios"]["control"]) for run in runs)
+    result: dict[str, float] = {"processes": len(runs), "rounds": rounds, "step_ms": step_ms}
+    print(f"{len(runs)} processes, {rounds} rounds of {BLOCK}-step turns, {step_ms:.3f} ms per step without "
+          "callback; paired ratios to no callback, median [95% CI] (per-process medians):")
+    for variant in BASELINE_OF:
+        groups = [run["ratios"][variant] for run in runs]
+        median, low, high = grouped_ci(groups)
+        result[variant], result[f"{variant}_low"], result[f"{variant}_high"] = median, low, high
+        target = "  (target >= 0.99)" if variant.startswith("tfprofd") else ""
+        per_process = ", ".join(f"{statistics.median(g):.3f}" for g in groups)
+        print(f"  {variant:15s} {median:.4f} [{low:.4f}, {high:.4f}]{target}  ({per_process})")
+    for key, what in (("hook_us", "per-batch cost of the callback's hooks, profiling off (target < 2 us)"),
+                      ("report_us", "one report (the reporter thread's work each second)")):
+        result[key] = statistics.median(run[key] for run in runs)
+        print(f"{what}: {result[key]:.2f} us")
     return result
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--worker"]:
+        worker()
+    else:
+        main()

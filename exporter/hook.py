@@ -31,7 +31,9 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 SCHEMA_VERSION = 1
@@ -179,6 +181,8 @@ class Reporter:
         self.step_time_sum = 0.0
         self.step_buckets = [0] * len(STEP_BUCKETS)  # per-bucket (not cumulative) counts; +Inf = steps
         self.first_step_seconds: float | None = None
+        self._done: deque[tuple[float, float, int, int]] = deque()  # (ended, seconds, steps, samples) to count
+        self._fold_lock = threading.RLock()  # a report's counters and histogram come from one fold
         # Optional exact (steps, samples, skipped) read on the background thread (set by the Keras callback).
         self.exact_counts: Callable[[], tuple[int, int, int]] | None = None
         self._seq = 0
@@ -187,8 +191,9 @@ class Reporter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._send_lock = threading.Lock()
-        self._trace: Any = None
+        self._trace: Any = None  # the step marker of the step running, while a profiling session records
         self._trace_class: Any = None  # TensorFlow's Trace, once TensorFlow is loaded
+        self._tracing: Callable[[], bool] | None = None  # whether a profiling session records, ditto
         self._step_started = 0.0
         self._in_step = False
         self._last_step_end = 0.0
@@ -222,13 +227,14 @@ class Reporter:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            self._fold()
             self._idle_check()
             self.flush()
 
     def _idle_check(self) -> None:
         """A custom loop that stopped stepping without close() is idle, not training at 0 samples/s."""
         if self.phase == "train" and not self._in_step and self._last_step_end and self.exact_counts is None:
-            quiet = time.perf_counter() - self._last_step_end
+            quiet = perf_counter() - self._last_step_end
             if quiet > max(self.idle_after, 10 * self._longest_step):
                 self.phase = "idle"
 
@@ -239,46 +245,70 @@ class Reporter:
         self.close()
 
     # ---- counting ----
+    # The training thread only queues what each step took: a clock read and an append. The counters and the
+    # histogram take the queue in when they are read (by the reporter thread, once a second).
 
     def record(self, steps: int, samples: int, seconds: float) -> None:
         """Count ``steps`` steps that took ``seconds`` in all and processed ``samples`` samples."""
-        if self.first_step_seconds is None:
-            self.first_step_seconds = max(time.time() - self.process_start, 0.0)
-        self.steps += steps
-        self.samples += samples
-        self.step_time_sum += seconds
-        per_step = seconds / steps if steps else seconds
-        index = bisect.bisect_left(STEP_BUCKETS, per_step)
-        if index < len(self.step_buckets):
-            self.step_buckets[index] += steps
+        self._done.append((perf_counter(), seconds, steps, samples))
+
+    def _fold(self) -> None:
+        """Count the steps queued since the last call."""
+        with self._fold_lock:
+            done = self._done
+            while done:
+                ended, seconds, steps, samples = done.popleft()
+                if self.first_step_seconds is None:
+                    ended_at = time.time() - (perf_counter() - ended)
+                    self.first_step_seconds = max(ended_at - self.process_start, 0.0)
+                self.steps += steps
+                self.samples += samples
+                self.step_time_sum += seconds
+                per_step = seconds / steps if steps else seconds
+                self._longest_step = max(self._longest_step, per_step)
+                index = bisect.bisect_left(STEP_BUCKETS, per_step)
+                if index < len(self.step_buckets):
+                    self.step_buckets[index] += steps
 
     def begin_step(self, steps: int = 1) -> None:
         """Mark the start of a step, or of ``steps`` steps run as one (Keras's steps_per_execution), with a
-        profiler step marker when TensorFlow is loaded; the marker says how many steps it covers."""
+        profiler step marker while a profiling session is active; the marker says how many steps it covers."""
         self._in_step = True
-        self._step_num += 1
-        if self.step_markers:
-            if self._trace_class is None and "tensorflow" in sys.modules:
-                self._trace_class = _trace_class()
-            if self._trace_class is not None:  # a no-op object unless a profiling session is active
-                if steps == 1:
-                    self._trace = self._trace_class("train", step_num=self._step_num, _r=1)
-                else:
-                    self._trace = self._trace_class("train", step_num=self._step_num, _r=1, steps=steps)
-        self._step_started = time.perf_counter()
+        self._open_step(steps, perf_counter())
 
     def end_step(self, steps: int = 1, samples: int | None = None) -> None:
-        now = time.perf_counter()
-        elapsed = now - self._step_started
+        now = perf_counter()
+        self._close_step(steps, steps * (self.batch_size or 0) if samples is None else samples, now)
+        self._in_step = False
+        self._last_step_end = now
+
+    def next_step(self, ended: int, begun: int) -> None:
+        """End the ``ended`` steps running (none if 0) and begin ``begun`` more (none if 0) at one instant:
+        one call per step for a loop that sees only where steps begin (the Keras callback)."""
+        now = perf_counter()
+        if ended:
+            self._close_step(ended, 0, now)
+        if begun:
+            self._open_step(begun, now)
+
+    def _open_step(self, steps: int, now: float) -> None:
+        self._step_num += 1
+        self._step_started = now
+        if self._tracing is None:  # until TensorFlow is loaded (it may be imported after the reporter starts)
+            if not self.step_markers or "tensorflow" not in sys.modules:
+                return
+            self._trace_class, self._tracing = _trace_api()
+        if self._tracing():  # no marker object at all unless a profiling session is active
+            if steps == 1:
+                self._trace = self._trace_class("train", step_num=self._step_num, _r=1)
+            else:
+                self._trace = self._trace_class("train", step_num=self._step_num, _r=1, steps=steps)
+
+    def _close_step(self, steps: int, samples: int, now: float) -> None:
         if self._trace is not None:
             self._trace.__exit__(None, None, None)
             self._trace = None
-        if samples is None:
-            samples = steps * (self.batch_size or 0)
-        self.record(steps, samples, elapsed)
-        self._in_step = False
-        self._last_step_end = now
-        self._longest_step = max(self._longest_step, elapsed / max(steps, 1))
+        self._done.append((now, now - self._step_started, steps, samples))
 
     def step(self, batch_size: int | None = None) -> _Step:
         """Context manager around one training step of a custom loop: ``with reporter.step(batch_size=n):``."""
@@ -288,6 +318,7 @@ class Reporter:
 
     def report_counts(self) -> tuple[int, int, int]:
         """(steps, samples, skipped steps) as the next report will say."""
+        self._fold()
         if self.exact_counts is not None:
             try:
                 return self.exact_counts()
@@ -296,23 +327,24 @@ class Reporter:
         return self.steps, self.samples, self.skipped
 
     def report(self) -> dict[str, Any]:
-        steps, samples, skipped = self.report_counts()
-        # Counters never go back (the agent would drop the report): a count read while a step runs can
-        # be ahead of the steps the batch hooks saw.
-        samples = self._reported_samples = max(samples, self._reported_samples)
-        skipped = self._reported_skipped = max(skipped, self._reported_skipped)
-        self._seq += 1
-        cumulative, running = [], 0
-        for count in self.step_buckets:
-            running += count
-            cumulative.append(running)
-        return {
-            "v": SCHEMA_VERSION, "job": self.job, "worker": self.worker, "pid": self.pid, "seq": self._seq,
-            "time": time.time(), "process_start": self.process_start, "phase": self.phase, "epoch": self.epoch,
-            "steps": steps, "samples": samples, "skipped_steps": skipped, "batch_size": self.batch_size,
-            "step_seconds": {"count": self.steps, "sum": self.step_time_sum, "buckets": cumulative},
-            "first_step_seconds": self.first_step_seconds, "profiler": self.profiler_address,
-        }
+        with self._fold_lock:
+            steps, samples, skipped = self.report_counts()
+            # Counters never go back (the agent would drop the report): a count read while a step runs can
+            # be ahead of the steps the batch hooks saw.
+            samples = self._reported_samples = max(samples, self._reported_samples)
+            skipped = self._reported_skipped = max(skipped, self._reported_skipped)
+            self._seq += 1
+            cumulative, running = [], 0
+            for count in self.step_buckets:
+                running += count
+                cumulative.append(running)
+            return {
+                "v": SCHEMA_VERSION, "job": self.job, "worker": self.worker, "pid": self.pid, "seq": self._seq,
+                "time": time.time(), "process_start": self.process_start, "phase": self.phase, "epoch": self.epoch,
+                "steps": steps, "samples": samples, "skipped_steps": skipped, "batch_size": self.batch_size,
+                "step_seconds": {"count": self.steps, "sum": self.step_time_sum, "buckets": cumulative},
+                "first_step_seconds": self.first_step_seconds, "profiler": self.profiler_address,
+            }
 
     def flush(self) -> bool:
         """Send one report now; never raises and never blocks on the agent."""
@@ -348,10 +380,12 @@ class _Step:
         reporter.end_step(1, int(batch or 0))
 
 
-def _trace_class() -> Any:
+def _trace_api() -> tuple[Any, Callable[[], bool]]:
+    """TensorFlow's step-marker class and its test of whether a profiling session is recording (the
+    module function ``Trace`` itself asks; a build without it gets a marker object on every step)."""
     from tensorflow.profiler.experimental import Trace
 
-    return Trace
+    return Trace, getattr(sys.modules[Trace.__module__], "enabled", lambda: True)
 
 
 class _SampleCounter:
@@ -471,7 +505,7 @@ def _make_callback_class() -> type:
             self._loss_scaled = False
             self._execution = 1
             self._epoch_steps: int | None = None
-            self._last_batch = -1
+            self._open_steps = 0  # steps of the execution running now (begun, not yet ended)
             self._in_fit = False
             # Report from now on, before the first step: the agent sees slow initialization.
             self.reporter.start()
@@ -505,12 +539,11 @@ def _make_callback_class() -> type:
             r.exact_counts = self._exact
             r.phase = "train"
             self._in_fit = True
-            self._last_batch = -1
+            self._open_steps = 0
             r.start()
 
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
             self.reporter.epoch = epoch
-            self._last_batch = -1
             self._epoch_steps = (self.params or {}).get("steps")
 
         def _steps_in(self, batch: int) -> int:
@@ -519,17 +552,23 @@ def _make_callback_class() -> type:
                 return max(1, min(self._execution, self._epoch_steps - batch))
             return self._execution
 
-        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-            self.reporter.begin_step(self._steps_in(batch) if self._execution > 1 else 1)
+        # A step runs from its batch-begin hook to the next one's (or to the end of the epoch's steps): one
+        # hook call per step, no batch-end hook of this callback in the training loop.
 
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            if self._epoch_steps:
-                batch = min(batch, self._epoch_steps - 1)  # Keras 3 reports the last execution's full span
-            steps = batch - self._last_batch  # batch hooks fire once per steps_per_execution steps
-            self._last_batch = batch
-            self.reporter.end_step(steps if steps > 0 else 1, 0)
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            steps = self._steps_in(batch) if self._execution > 1 else 1
+            self.reporter.next_step(self._open_steps, steps)
+            self._open_steps = steps
+
+        def _end_open_step(self) -> None:
+            self.reporter.next_step(self._open_steps, 0)
+            self._open_steps = 0
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            self._end_open_step()
 
         def on_test_begin(self, logs: Any = None) -> None:
+            self._end_open_step()  # validation runs after the epoch's last step
             self.reporter.phase = "evaluate"
 
         def on_test_end(self, logs: Any = None) -> None:
@@ -542,6 +581,7 @@ def _make_callback_class() -> type:
             self.reporter.phase = "idle"
 
         def on_train_end(self, logs: Any = None) -> None:
+            self._end_open_step()
             self._in_fit = False
             r = self.reporter
             r.phase = "idle"
