@@ -41,6 +41,7 @@ DEFAULT_UDP_ADDR = "127.0.0.1:9847"
 # Upper bounds (seconds) of the step-duration histogram; the agent checks reports against these.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PHASES = ("train", "evaluate", "predict", "idle")
+FOLD_AT = 65536  # steps queued at most before the training thread counts them itself
 
 _profiler_address: str | None = None
 _profiler_lock = threading.Lock()
@@ -251,6 +252,8 @@ class Reporter:
     def record(self, steps: int, samples: int, seconds: float) -> None:
         """Count ``steps`` steps that took ``seconds`` in all and processed ``samples`` samples."""
         self._done.append((perf_counter(), seconds, steps, samples))
+        if len(self._done) >= FOLD_AT:
+            self._fold()
 
     def _fold(self) -> None:
         """Count the steps queued since the last call."""
@@ -291,6 +294,12 @@ class Reporter:
         if begun:
             self._open_step(begun, now)
 
+    def end_marker(self) -> None:
+        """End the running step's profiler marker, if a session records it, before the step itself ends."""
+        if self._trace is not None:
+            self._trace.__exit__(None, None, None)
+            self._trace = None
+
     def _open_step(self, steps: int, now: float) -> None:
         self._step_num += 1
         self._step_started = now
@@ -305,10 +314,11 @@ class Reporter:
                 self._trace = self._trace_class("train", step_num=self._step_num, _r=1, steps=steps)
 
     def _close_step(self, steps: int, samples: int, now: float) -> None:
-        if self._trace is not None:
-            self._trace.__exit__(None, None, None)
-            self._trace = None
-        self._done.append((now, now - self._step_started, steps, samples))
+        self.end_marker()
+        done = self._done
+        done.append((now, now - self._step_started, steps, samples))
+        if len(done) >= FOLD_AT:  # nobody reads the counts (a reporter never started): keep the queue short
+            self._fold()
 
     def step(self, batch_size: int | None = None) -> _Step:
         """Context manager around one training step of a custom loop: ``with reporter.step(batch_size=n):``."""
@@ -552,13 +562,16 @@ def _make_callback_class() -> type:
                 return max(1, min(self._execution, self._epoch_steps - batch))
             return self._execution
 
-        # A step runs from its batch-begin hook to the next one's (or to the end of the epoch's steps): one
-        # hook call per step, no batch-end hook of this callback in the training loop.
+        # A step's time runs from its batch-begin hook to the next one's (or to the end of the epoch's steps);
+        # its profiler marker only to its batch-end hook, so callbacks' work shows between steps in a profile.
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
             steps = self._steps_in(batch) if self._execution > 1 else 1
             self.reporter.next_step(self._open_steps, steps)
             self._open_steps = steps
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.reporter.end_marker()
 
         def _end_open_step(self) -> None:
             self.reporter.next_step(self._open_steps, 0)

@@ -6,6 +6,7 @@ import json
 import random
 import socket
 import time
+import tracemalloc
 
 import pytest
 
@@ -132,3 +133,18 @@ def test_one_reporter_per_job_and_worker_in_a_process():
     first = Reporter.shared(job="same", worker="0", profiler=False)
     assert Reporter.shared(job="same", worker="0", profiler=False) is first
     assert Reporter.shared(job="same", worker="1", profiler=False) is not first
+
+
+def test_steps_nobody_reports_are_still_counted_in_bounded_memory():
+    reporter = Reporter(job="unstarted", profiler=False, addr="127.0.0.1:9")  # its thread never started
+    tracemalloc.start()
+    try:
+        for _ in range(400_000):
+            reporter.begin_step()
+            reporter.end_step(1, 4)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 20e6  # a queue of every step would hold over 50 MB
+    assert reporter.report_counts() == (400_000, 1_600_000, 0)
+    assert reporter.report()["step_seconds"]["count"] == 400_000
