@@ -75,13 +75,6 @@ def make_model() -> keras.Model:
     return m
 
 
-def median_ci(ratios: list[float], draws: int = 2000) -> tuple[float, float, float]:
-    """(median, low, high): the median and a bootstrap 95% interval of it."""
-    rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return statistics.median(ratios), medians[int(0.025 * draws)], medians[int(0.975 * draws)]
-
-
 def grouped_ci(groups: list[list[float]], draws: int = 1000) -> tuple[float, float, float]:
     """(median, low, high) of the pooled values; the 95% interval resamples groups, then values in each."""
     rng = random.Random(0)
@@ -101,15 +94,22 @@ def settled(groups: list[list[float]]) -> bool:
     return half < PRECISE or (half < abs(1 - median) and not low < TARGET < high)
 
 
+def begun(model: keras.Model, callbacks: list[keras.callbacks.Callback]) -> CallbackList:
+    """The callbacks as fit() holds them once training and its first epoch have begun."""
+    callback_list = CallbackList(callbacks, add_history=True, add_progbar=False, verbose=0, epochs=1, steps=None,
+                                 model=model)
+    callback_list.on_train_begin()
+    callback_list.on_epoch_begin(0)
+    return callback_list
+
+
 class Turn:
     """One variant of the interleaved measure: its callbacks, train function and iterator, as fit has them."""
 
-    def __init__(self, model: keras.Model, train_function: Callable[[Any], Any], dataset: tf.data.Dataset,
-                 callbacks: list[keras.callbacks.Callback]):
+    def __init__(self, callbacks: CallbackList, train_function: Callable[[Any], Any], dataset: tf.data.Dataset):
+        self.callbacks = callbacks
         self.train_function = train_function
         self.iterator = iter(dataset.repeat())
-        self.callbacks = CallbackList(callbacks, add_history=True, add_progbar=False, verbose=0, epochs=1,
-                                      steps=None, model=model)
         self.step = 0
 
     def run(self, steps: int) -> float:
@@ -130,28 +130,17 @@ def interleaved(model: keras.Model, dynamic: tf.data.Dataset, static: tf.data.Da
     for ds in (static, dynamic):  # trace the plain train function for both batch shapes, static first
         model.fit(ds.take(20), epochs=1, verbose=0)
     plain = model.train_function
-    hooked = [TfprofdCallback(job="bench"), TfprofdCallback(job="bench-static")]
     turns = {
-        "none": Turn(model, plain, dynamic, []),
-        "control": Turn(model, plain, dynamic, []),
-        "none_static": Turn(model, plain, static, []),
-        "tensorboard": Turn(model, plain, dynamic, [keras.callbacks.TensorBoard(logdir, update_freq="batch")]),
+        "none": Turn(begun(model, []), plain, dynamic),
+        "control": Turn(begun(model, []), plain, dynamic),
+        "none_static": Turn(begun(model, []), plain, static),
+        "tensorboard": Turn(begun(model, [keras.callbacks.TensorBoard(logdir, update_freq="batch")]), plain, dynamic),
     }
-    for turn in turns.values():
-        turn.callbacks.on_train_begin()
-        turn.callbacks.on_epoch_begin(0)
     # The callback rebuilds the model's train function with its counting op at on_train_begin.
-    callback_lists = [CallbackList([cb], add_history=True, add_progbar=False, verbose=0, epochs=1, steps=None,
-                                   model=model) for cb in hooked]
-    for callbacks in callback_lists:
-        callbacks.on_train_begin()
-        callbacks.on_epoch_begin(0)
+    hooked = begun(model, [TfprofdCallback(job="bench")]), begun(model, [TfprofdCallback(job="bench-static")])
     wrapped = model.train_function
-    for name, ds, callbacks in (("tfprofd", dynamic, callback_lists[0]),
-                                ("tfprofd_static", static, callback_lists[1])):
-        turn = Turn(model, wrapped, ds, [])
-        turn.callbacks = callbacks
-        turns[name] = turn
+    turns["tfprofd"] = Turn(hooked[0], wrapped, dynamic)
+    turns["tfprofd_static"] = Turn(hooked[1], wrapped, static)
     for name in ("tfprofd_static", *turns):  # warm-up: trace the wrapped function (static first), fill caches
         turns[name].run(BLOCK * 4)
     times: dict[str, list[float]] = {name: [] for name in turns}
@@ -162,7 +151,7 @@ def interleaved(model: keras.Model, dynamic: tf.data.Dataset, static: tf.data.Da
         rng.shuffle(order)
         for name in order:
             times[name].append(BLOCK / turns[name].run(BLOCK))  # steps per second
-    for callbacks in callback_lists:
+    for callbacks in hooked:
         callbacks.on_train_end()
     return {"ratios": paired(times), "step_ms": 1000 / statistics.median(times["none"])}
 

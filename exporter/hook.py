@@ -251,8 +251,12 @@ class Reporter:
 
     def record(self, steps: int, samples: int, seconds: float) -> None:
         """Count ``steps`` steps that took ``seconds`` in all and processed ``samples`` samples."""
-        self._done.append((perf_counter(), seconds, steps, samples))
-        if len(self._done) >= FOLD_AT:
+        self._queue(perf_counter(), seconds, steps, samples)
+
+    def _queue(self, ended: float, seconds: float, steps: int, samples: int) -> None:
+        done = self._done
+        done.append((ended, seconds, steps, samples))
+        if len(done) >= FOLD_AT:  # nobody reads the counts (a reporter never started): keep the queue short
             self._fold()
 
     def _fold(self) -> None:
@@ -315,10 +319,7 @@ class Reporter:
 
     def _close_step(self, steps: int, samples: int, now: float) -> None:
         self.end_marker()
-        done = self._done
-        done.append((now, now - self._step_started, steps, samples))
-        if len(done) >= FOLD_AT:  # nobody reads the counts (a reporter never started): keep the queue short
-            self._fold()
+        self._queue(now, now - self._step_started, steps, samples)
 
     def step(self, batch_size: int | None = None) -> _Step:
         """Context manager around one training step of a custom loop: ``with reporter.step(batch_size=n):``."""

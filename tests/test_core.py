@@ -36,6 +36,7 @@ def run_agent(tmp_path, *args: str, timeout: float = 10) -> tuple[subprocess.Com
 
 SYS_TGKILL = {"x86_64": 234, "aarch64": 131}[platform.machine()]
 
+
 def test_a_busy_port_fails_the_start_at_once_with_one_clear_line(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

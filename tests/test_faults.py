@@ -65,8 +65,6 @@ def test_state_file_removed_mid_run_then_restored(agents, gpus):
     assert agent.proc.poll() is None
 
 
-
-
 def test_sighup_reloads_config_and_rejects_a_bad_one(agents, gpus, tmp_path):
     config = tmp_path / "tfprofd.yaml"
     config.write_text("collectors:\n  disk:\n    enabled: true\n")
