@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from time import perf_counter
-from typing import Any
+from typing import Any, ClassVar
 
 SCHEMA_VERSION = 1
 DEFAULT_UDP_ADDR = "127.0.0.1:9847"
@@ -400,7 +400,8 @@ def _trace_api() -> tuple[Any, Callable[[], bool]]:
 
 
 class _SampleCounter:
-    """Counts the samples a Keras model trains on, per worker, as cheaply as exactness allows.
+    """Counts in the graph the samples a Keras model trains on, per worker, where Keras keeps no count the
+    hook can use (tf_keras, a custom ``train_step``, a count near its float limit: see _LossTrackerCount).
 
     The model's train step is wrapped once. Where the batch dimension is known when TensorFlow traces the
     step (``drop_remainder=True``, fixed-size inputs), every step has that many samples per replica and
@@ -462,6 +463,100 @@ class _SampleCounter:
         return samples + uncounted * (self.static_batch or 0)
 
 
+class _LossTrackerCount:
+    """Counts the samples a Keras 3 model trains on from what its own train step already adds up, so the
+    train step gets no op of the hook's and keeps the train function Keras built.
+
+    Keras 3's default ``train_step`` adds every step's batch size (``tf.shape(x)[0]``, per replica, into a
+    sum-on-read variable) to its loss tracker's ``count``. That count is reset by ``reset_metrics()`` (at
+    every epoch and every ``evaluate``) and also adds evaluation batches, so the hook counts it in segments:
+    one opens at the first training batch after a reset, and closes when anything resets the metrics (the
+    model's ``reset_metrics`` is wrapped) or training ends. The count is a float: exact for whole numbers
+    below 2**24 (float32). When an open segment nears that, the training thread switches the model to the
+    in-graph count (``_SampleCounter``) at its next batch; ``exhausted`` then says so.
+    """
+
+    EXACT_BELOW: ClassVar[dict[str, int]] = {"float32": 2**24, "float64": 2**53}
+
+    @classmethod
+    def of(cls, model: Any, keras: Any) -> _LossTrackerCount | None:
+        """The model's count, or None where its train step is not Keras 3's own (tf_keras, a custom
+        ``train_step``, one the hook wrapped once its count neared the limit) or its count cannot be exact."""
+        model_class = getattr(keras, "Model", None)
+        if (model_class is None or not isinstance(model, model_class) or "train_step" in vars(model)
+                or getattr(type(model), "train_step", None) is not getattr(model_class, "train_step", None)):
+            return None
+        variable = getattr(getattr(model, "_loss_tracker", None), "count", None)
+        limit = cls.EXACT_BELOW.get(str(getattr(variable, "dtype", "")))
+        if limit is None:
+            return None
+        count = getattr(model, "_tfprofd_tracker", None)
+        if count is None or count.variable is not variable:  # first use, or compile() made a new tracker
+            count = model._tfprofd_tracker = cls(model, variable, limit)
+        return count
+
+    def __init__(self, model: Any, variable: Any, limit: int):
+        if "reset_metrics" not in vars(model):  # once per model: the wrapper closes whichever count is current
+            reset = model.reset_metrics
+
+            def reset_metrics() -> None:
+                current = model._tfprofd_tracker
+                try:
+                    current.close()
+                except Exception as exc:  # never break training
+                    current.give_up(exc)
+                reset()
+
+            model.reset_metrics = reset_metrics
+        self.strategy = model.distribute_strategy
+        self.variable = variable
+        self.limit = limit
+        self.lock = threading.Lock()
+        self.closed = 0  # samples of the segments closed so far
+        self.base = 0  # the count when the open segment began
+        self.live = False  # a segment is open
+        self.ok = False  # open and not near the limit: the training thread has nothing to do
+        self.exhausted = False  # near the limit once: the in-graph count takes over for good
+        self._last = 0
+
+    def _read(self) -> int:
+        return int(sum(float(c.numpy()) for c in self.strategy.experimental_local_results(self.variable)))
+
+    def open(self) -> None:
+        """Begin a segment at a training batch (training thread, between steps)."""
+        with self.lock:
+            self.close_locked()
+            if not self.exhausted:
+                self.base = self._last = self._read()
+                self.live = self.ok = True
+
+    def close(self) -> None:
+        with self.lock:
+            self.close_locked()
+
+    def give_up(self, exc: Exception) -> None:
+        """The count could not be read: its open segment is lost, and the graph counts from the next batch."""
+        self.exhausted, self.live, self.ok = True, False, False
+        print(f"tfprofd hook: sample count unreadable, counting in the graph: {exc}", file=sys.stderr)
+
+    def close_locked(self) -> None:
+        if self.live:
+            self.closed += self._read() - self.base
+            self.live = self.ok = False
+
+    def samples(self) -> int:
+        """Samples counted so far; marks the count exhausted when the open segment nears its limit."""
+        with self.lock:
+            if not self.live:
+                return self.closed
+            value = self._read()
+            # A second of steps at the rate just seen, twice, must stay exact until the training thread switches.
+            if value >= self.limit // 2 or value + 2 * (value - self._last) >= self.limit:
+                self.exhausted, self.ok = True, False
+            self._last = value
+            return self.closed + value - self.base
+
+
 def _steps_per_execution(model: Any) -> int:
     value = getattr(model, "steps_per_execution", 1) or 1  # an int in Keras 3, a variable in tf_keras
     return int(value.numpy()) if hasattr(value, "numpy") else int(value)
@@ -486,7 +581,8 @@ def _make_callback_class() -> type:
         every worker of a multi-worker strategy (each reports its own counts). Steps are the batches the
         train step executed (steps_per_execution > 1 included); ``skipped_steps`` are those whose update a
         mixed-precision loss-scale optimizer skipped after an overflow (Keras 3). Samples are
-        ``steps * batch_size`` when ``batch_size`` is given, else the real batch sizes (see _SampleCounter).
+        ``steps * batch_size`` when ``batch_size`` is given, else the real batch sizes (_LossTrackerCount with
+        Keras 3's own train step, _SampleCounter otherwise).
         """
 
         # tf_keras's CallbackList asks its callbacks these; Keras 3's base class has none of them.
@@ -509,9 +605,13 @@ def _make_callback_class() -> type:
             self.reporter = Reporter.shared(job=job, worker=worker, batch_size=batch_size, addr=addr,
                                             interval=interval, profiler=profiler, profiler_port=profiler_port,
                                             step_markers=step_markers)
-            self._counter: _SampleCounter | None = None
+            self._tracker: _LossTrackerCount | None = None  # counts samples where Keras 3 already does
+            self._watch: _LossTrackerCount | None = None  # the tracker, while its segments need opening
+            self._counter: _SampleCounter | None = None  # counts samples in the graph elsewhere
             self._base = (0, 0, 0)  # steps, samples, skipped reported before this fit()
+            self._tracker_base = 0
             self._counted_base = (0, 0)
+            self._counter_steps = 0  # steps of this fit() run before the in-graph count began
             self._iterations_base = 0
             self._loss_scaled = False
             self._execution = 1
@@ -528,12 +628,14 @@ def _make_callback_class() -> type:
             """(steps, samples, skipped) so far; called on the reporter's thread."""
             r, (steps_before, samples_before, skipped_before) = self.reporter, self._base
             steps = r.steps - steps_before  # executed in this fit(), counted by the batch hooks
-            if self._counter is not None:
-                counted = self._counter.read()
-                delta = (counted[0] - self._counted_base[0], counted[1] - self._counted_base[1])
-                samples = self._counter.samples(delta, steps)
+            if r.batch_size is not None:
+                samples = steps * r.batch_size
             else:
-                samples = steps * (r.batch_size or 0)
+                samples = 0 if self._tracker is None else self._tracker.samples() - self._tracker_base
+                if self._counter is not None:
+                    counted = self._counter.read()
+                    delta = (counted[0] - self._counted_base[0], counted[1] - self._counted_base[1])
+                    samples += self._counter.samples(delta, steps - self._counter_steps)
             skipped = max(0, steps - (self._iterations() - self._iterations_base)) if self._loss_scaled else 0
             return r.steps, samples_before + samples, skipped_before + skipped
 
@@ -541,8 +643,14 @@ def _make_callback_class() -> type:
             r = self.reporter
             r.exact_counts = None
             self._base = r.report_counts()  # earlier fit() calls carry over
-            self._counter = _SampleCounter.of(self.model, tf) if r.batch_size is None else None
+            self._tracker = self._watch = self._counter = None
+            if r.batch_size is None:
+                self._tracker = self._watch = _LossTrackerCount.of(self.model, keras)
+                if self._tracker is None:
+                    self._counter = _SampleCounter.of(self.model, tf)
+            self._tracker_base = self._tracker.samples() if self._tracker is not None else 0
             self._counted_base = self._counter.read() if self._counter is not None else (0, 0)
+            self._counter_steps = 0
             optimizer = getattr(self.model, "optimizer", None)
             self._loss_scaled = optimizer is not None and _loss_scaled(optimizer)
             self._iterations_base = self._iterations() if self._loss_scaled else 0
@@ -570,6 +678,26 @@ def _make_callback_class() -> type:
             steps = self._steps_in(batch) if self._execution > 1 else 1
             self.reporter.next_step(self._open_steps, steps)
             self._open_steps = steps
+            watch = self._watch
+            if watch is not None and not watch.ok:  # after a reset of the metrics, or near the count's limit
+                self._count_from_here(watch)
+
+        def _count_from_here(self, tracker: _LossTrackerCount) -> None:
+            """Open the loss tracker's next segment or, once it nears its limit, count in the graph from the
+            execution about to run on (the train function is rebuilt, once)."""
+            try:
+                tracker.open()
+            except Exception as exc:  # never break training: the graph counts from here on
+                tracker.give_up(exc)
+            if tracker.ok:
+                return
+            r = self.reporter
+            with r._fold_lock:  # the reporter thread sees the count before or after the switch, never between
+                r._fold()
+                self._counter = _SampleCounter.of(self.model, tf)
+                self._counted_base = self._counter.read()
+                self._counter_steps = r.steps - self._base[0]
+                self._watch = None
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             self.reporter.end_marker()
@@ -596,6 +724,8 @@ def _make_callback_class() -> type:
 
         def on_train_end(self, logs: Any = None) -> None:
             self._end_open_step()
+            if self._tracker is not None:
+                self._tracker.close()
             self._in_fit = False
             r = self.reporter
             r.phase = "idle"

@@ -78,11 +78,12 @@ def run(agent: AgentProcess, scenario: Scenario, warmup: float = 4.0) -> dict:
             "between_steps": (analysis.get("ratios") or {}).get("between_steps")}
 
 
-def plain_trace(tmp: Path, scenario: Scenario) -> Path:
+def plain_trace(tmp: Path, scenario: Scenario, seconds: float) -> Path:
     """A trace of the scenario made with TensorFlow's own profiler APIs in a custom loop: no hook, no agent."""
     logdir = tmp / f"plain-{scenario.name}"
     result = subprocess.run([sys.executable, "-m", "tfprofd.daemon.demo_job", *scenario.args, "--plain-profile",
-                             str(logdir)], capture_output=True, text=True, timeout=300)
+                             str(logdir), "--profile-seconds", str(seconds)], capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1])["steps"] > 2, result.stdout
     return logdir

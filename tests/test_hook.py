@@ -56,24 +56,83 @@ def test_fit_counts_exact_steps_and_samples_with_steps_per_execution(agents, ker
     assert len(info) == 1 and f'profiler_address="{truth["profiler"]}"' in info[0]
 
 
-def test_static_batches_are_counted_exactly_without_an_op_in_the_train_step():
-    code = """
+def run_keras(code: str) -> dict:
+    """Run ``code`` (after a common preamble) in a fresh Python with Keras 3; its last stdout line as JSON."""
+    preamble = """
 import os, json
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
 import keras, numpy as np, tensorflow as tf
-from tfprofd.exporter.hook import TfprofdCallback
+from tfprofd.exporter import hook
 x = np.ones((1000, 4), "float32"); y = np.ones((1000, 1), "float32")
-ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32, drop_remainder=True)  # 31 batches of 32
+"""
+    out = subprocess.run([sys.executable, "-c", preamble + code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+KERAS3_FITS = """
+class Seen(keras.callbacks.Callback):  # the train function fit() runs, before and after the hook's callback
+    def __init__(self, seen):
+        super().__init__(); self.seen = seen
+    def on_train_begin(self, logs=None): self.seen.append(self.model.train_function)
+    def on_train_end(self, logs=None): self.seen.append(self.model.train_function)
+class EvaluateMidEpoch(keras.callbacks.Callback):  # resets the model's metrics in the middle of an epoch
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 9: self.model.evaluate(x[:70], y[:70], batch_size=10, verbose=0)
+callback = hook.TfprofdCallback(job="k3", profiler=False, addr="127.0.0.1:9", interval=0.005)
+before, after = [], []
+# 1000 samples in batches of 32 (31 and one of 8, not known when traced), 3 epochs, validation, then 77 more.
+model.fit(x, y, batch_size=32, epochs=3, validation_data=(x[:100], y[:100]), verbose=0,
+          callbacks=[Seen(before), callback, EvaluateMidEpoch(), *extra, Seen(after)])
+model.fit(x[:77], y[:77], batch_size=32, epochs=1, callbacks=[callback], verbose=0)
+report = callback.reporter.report()
+print(json.dumps({"steps": report["steps"], "samples": report["samples"],
+                  "train_function_kept": before[0] is after[-1], "in_graph": hasattr(model, "_tfprofd_counter")}))
+"""
+
+
+def test_keras_3_counts_samples_exactly_with_nothing_added_to_its_train_step():
+    """Keras 3's train step already adds up every batch size: the hook reads that and keeps Keras's train function."""
+    out = run_keras("""
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
 model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
-callback = TfprofdCallback(job="static", profiler=False, addr="127.0.0.1:9")
+extra = []
+""" + KERAS3_FITS)
+    assert (out["steps"], out["samples"]) == (99, 3077)
+    assert out["train_function_kept"] and not out["in_graph"]
+
+
+def test_a_count_near_its_float_limit_moves_into_the_graph_and_stays_exact():
+    """Keras's count is a float, exact below 2**24: past half of that the hook counts in the graph itself."""
+    out = run_keras("""
+hook._LossTrackerCount.EXACT_BELOW = {"float32": 800}  # 400 samples into an epoch is near the limit
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
+class Report(keras.callbacks.Callback):  # what the reporter thread does once a second, at every batch
+    def on_train_batch_end(self, batch, logs=None): callback.reporter.report()
+extra = [Report()]
+""" + KERAS3_FITS)
+    assert (out["steps"], out["samples"]) == (99, 3077)
+    assert out["in_graph"] and not out["train_function_kept"]
+
+
+def test_static_batches_of_a_custom_train_step_are_counted_exactly_without_an_op():
+    """A train step of the user's own gets the hook's in-graph count, which needs no op for static batches."""
+    out = run_keras("""
+class Custom(keras.Sequential):
+    def train_step(self, data):
+        return super().train_step(data)
+ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32, drop_remainder=True)  # 31 batches of 32
+model = Custom([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
+callback = hook.TfprofdCallback(job="static", profiler=False, addr="127.0.0.1:9")
 model.fit(ds, epochs=2, callbacks=[callback], verbose=0)
-print(json.dumps({"report": callback.reporter.report(), "in_graph": model._tfprofd_counter.read()}))
-"""
-    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                    timeout=180).stdout.strip().splitlines()[-1])
-    assert (out["report"]["steps"], out["report"]["samples"]) == (62, 62 * 32)
-    assert out["in_graph"] == [0, 0]  # the train step added nothing: its batch size was known when traced
+model.fit(x[:77], y[:77], batch_size=32, epochs=1, callbacks=[callback], verbose=0)  # dynamic: the op counts
+report = callback.reporter.report()
+print(json.dumps({"steps": report["steps"], "samples": report["samples"], "in_graph": model._tfprofd_counter.read()}))
+""")
+    assert (out["steps"], out["samples"]) == (65, 62 * 32 + 77)
+    assert out["in_graph"] == [77, 3]  # only the steps whose batch size was unknown when traced added to it
 
 
 def test_mixed_precision_counts_every_batch_and_the_skipped_updates(agents):
