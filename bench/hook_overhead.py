@@ -22,8 +22,9 @@ seconds (whole ``fit`` calls of 1,500 steps, the variants in rotated order, diff
 resolved nothing); turns of 25 steps see the same machine, so each variant's rate over the no-callback
 turn of its round (paired) resolves a fraction of a percent within one process.
 
-Between processes the same comparison moves by up to ±1.5% (the memory layout a process draws), so the
-measure runs in ``PROCESSES`` fresh worker processes, one after another, ``SECONDS`` each. The median of all
+Between processes the same comparison moves by up to ±2% (the memory layout a process draws), so the
+measure runs in ``MIN_PROCESSES`` to ``MAX_PROCESSES`` fresh worker processes, one after another,
+``SECONDS`` each. The median of all
 paired ratios gets a 95% interval from a two-level bootstrap (processes, then rounds within each), and more
 processes run until that interval lies on one side of the 0.99 target and is narrower than the distance of
 the median from 1 (the spread is below the effect), or is within ±0.25%, and the control's holds 1.

@@ -525,21 +525,21 @@ class _LossTrackerCount:
     def open(self) -> None:
         """Begin a segment at a training batch (training thread, between steps)."""
         with self.lock:
-            self.close_locked()
+            self._close_locked()
             if not self.exhausted:
                 self.base = self._last = self._read()
                 self.live = self.ok = True
 
     def close(self) -> None:
         with self.lock:
-            self.close_locked()
+            self._close_locked()
 
     def give_up(self, exc: Exception) -> None:
         """The count could not be read: its open segment is lost, and the graph counts from the next batch."""
         self.exhausted, self.live, self.ok = True, False, False
         print(f"tfprofd hook: sample count unreadable, counting in the graph: {exc}", file=sys.stderr)
 
-    def close_locked(self) -> None:
+    def _close_locked(self) -> None:
         if self.live:
             self.closed += self._read() - self.base
             self.live = self.ok = False

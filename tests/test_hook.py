@@ -116,6 +116,33 @@ extra = [Report()]
     assert out["in_graph"] and not out["train_function_kept"]
 
 
+def test_a_count_that_cannot_be_read_never_stops_training_and_the_graph_counts_on():
+    """Keras's count turns unreadable mid-epoch: training goes on, stderr says why, the graph counts from the
+    next epoch's first batch (the broken epoch's samples are lost, nothing else)."""
+    out = run_keras("""
+import contextlib, io
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
+class Unreadable:
+    def numpy(self):
+        raise RuntimeError("device lost")
+class Break(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 5 and not hasattr(self, "done"):
+            self.done = model._tfprofd_tracker.variable = Unreadable()
+callback = hook.TfprofdCallback(job="broken", profiler=False, addr="127.0.0.1:9", interval=0.005)
+with contextlib.redirect_stderr(io.StringIO()) as err:
+    model.fit(x, y, batch_size=32, epochs=3, validation_data=(x[:100], y[:100]), verbose=0,
+              callbacks=[callback, Break()])
+    model.fit(x[:77], y[:77], batch_size=32, epochs=1, callbacks=[callback], verbose=0)
+report = callback.reporter.report()
+print(json.dumps({"steps": report["steps"], "samples": report["samples"], "stderr": err.getvalue(),
+                  "in_graph": hasattr(model, "_tfprofd_counter")}))
+""")
+    assert "tfprofd hook: sample count unreadable, counting in the graph: device lost" in out["stderr"]
+    assert (out["steps"], out["samples"], out["in_graph"]) == (99, 2 * 1000 + 77, True)
+
+
 def test_static_batches_of_a_custom_train_step_are_counted_exactly_without_an_op():
     """A train step of the user's own gets the hook's in-graph count, which needs no op for static batches."""
     out = run_keras("""
