@@ -33,6 +33,9 @@ from .rules import DEFAULT_RULES, Rule, parse_rules
 ENV_PREFIX = "TFPROFD_"
 CONFIG_ENV = "TFPROFD_CONFIG"
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
+# Values (scalars, lists, mappings) one key may hold with its YAML aliases expanded: far above any real config,
+# far below an alias bomb (nine levels of nine aliases make 387 million from a 300-byte file).
+MAX_CONFIG_VALUES = 100_000
 
 
 def default_state_dir(euid: int | None = None) -> str:
@@ -223,8 +226,41 @@ def _decode(data: bytes, path: str, problems: list[Problem]) -> str | None:
         return None
 
 
+_CYCLE = -1
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many values ``node`` holds with every alias expanded, counted up to just past MAX_CONFIG_VALUES;
+    ``_CYCLE`` if an alias refers to a node that contains it. ``sizes`` remembers shared (aliased) nodes."""
+    known = sizes.get(id(node))
+    if known is not None:
+        return known
+    if isinstance(node, yaml.ScalarNode):
+        return 1
+    sizes[id(node)] = _CYCLE  # until its children are counted: meeting it again means a cycle
+    total = 1
+    children = (n for pair in node.value for n in pair) if isinstance(node, yaml.MappingNode) else iter(node.value)
+    for child in children:
+        size = _expanded_size(child, sizes)
+        if size == _CYCLE:
+            return _CYCLE
+        total = min(total + size, MAX_CONFIG_VALUES + 1)
+    sizes[id(node)] = total
+    return total
+
+
+def _too_big(node: yaml.Node, sizes: dict[int, int]) -> str | None:
+    """Why ``node`` must not be constructed (an alias bomb or a self-referring alias), or None."""
+    size = _expanded_size(node, sizes)
+    if size == _CYCLE:
+        return "an alias in this value refers to the value itself"
+    if size > MAX_CONFIG_VALUES:
+        return f"holds more than {MAX_CONFIG_VALUES} values once its aliases are expanded (an alias bomb?)"
+    return None
+
+
 def _flatten(loader: yaml.SafeLoader, node: yaml.Node, path: str, prefix: str, out: dict[str, Located],
-             problems: list[Problem]) -> None:
+             problems: list[Problem], sizes: dict[int, int]) -> None:
     if not isinstance(node, yaml.MappingNode):
         where = f"{path}:{node.start_mark.line + 1}"
         problems.append(Problem(where, prefix.rstrip(".") or "(top level)", "expected a mapping of keys to values"))
@@ -239,7 +275,9 @@ def _flatten(loader: yaml.SafeLoader, node: yaml.Node, path: str, prefix: str, o
             continue
         seen.add(dotted)
         option = OPTIONS_BY_KEY.get(dotted)
-        if dotted == "rules":
+        if (dotted == "rules" or option is not None) and (why := _too_big(value_node, sizes)):
+            problems.append(Problem(where, dotted, why))
+        elif dotted == "rules":
             out["rules"] = Located(parse_rules(loader, value_node, path, signal_catalog(), problems), where)
         elif option is not None:
             if "yaml" not in option.meta["sources"]:
@@ -250,10 +288,11 @@ def _flatten(loader: yaml.SafeLoader, node: yaml.Node, path: str, prefix: str, o
             else:
                 out[dotted] = Located(loader.construct_object(value_node, deep=True), where)
         elif dotted in _SECTION_PREFIXES:
-            _flatten(loader, value_node, path, dotted + ".", out, problems)
+            _flatten(loader, value_node, path, dotted + ".", out, problems, sizes)
         else:
             close = difflib.get_close_matches(dotted, [*OPTIONS_BY_KEY, "rules"], n=1, cutoff=0.75)
-            problems.append(Problem(where, dotted, "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")))
+            problems.append(Problem(where, opt.shown(dotted)[1:-1], "unknown key"
+                                    + (f" (did you mean {close[0]!r}?)" if close else "")))
 
 
 def read_yaml(path: str, problems: list[Problem]) -> dict[str, Located]:
@@ -276,7 +315,7 @@ def read_yaml(path: str, problems: list[Problem]) -> dict[str, Located]:
         loader = yaml.SafeLoader(text)
         node = loader.get_single_node()
         if node is not None:
-            _flatten(loader, node, path, "", out, problems)
+            _flatten(loader, node, path, "", out, problems, {})
     except yaml.reader.ReaderError as exc:
         line = text[:exc.position].count("\n") + 1
         problems.append(Problem(f"{path}:{line}", "(syntax)",
@@ -298,6 +337,14 @@ def read_yaml(path: str, problems: list[Problem]) -> dict[str, Located]:
 # ---- putting it together ----
 
 
+def _number(value: float) -> str:
+    """A number for a message: ``{:g}``, or cut short where it has no float (an integer of 400 digits)."""
+    try:
+        return f"{value:g}"
+    except OverflowError:
+        return opt.shown(value)
+
+
 def _validate(option: Option, located: Located, problems: list[Problem]) -> Any:
     try:
         value = option.meta["parse"](located.value)
@@ -306,9 +353,9 @@ def _validate(option: Option, located: Located, problems: list[Problem]) -> Any:
         return option.field.default
     low, high = option.meta["min"], option.meta["max"]
     if low is not None and value < low:
-        problems.append(Problem(located.source, option.key, f"must be at least {low:g}, got {value:g}"))
+        problems.append(Problem(located.source, option.key, f"must be at least {low:g}, got {_number(value)}"))
     if high is not None and value > high:
-        problems.append(Problem(located.source, option.key, f"must be at most {high:g}, got {value:g}"))
+        problems.append(Problem(located.source, option.key, f"must be at most {high:g}, got {_number(value)}"))
     return value
 
 

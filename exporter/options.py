@@ -12,6 +12,7 @@ import dataclasses
 import ipaddress
 import math
 import re
+import reprlib
 from collections.abc import Callable
 from typing import Any
 
@@ -32,9 +33,31 @@ def option(default: Any, parse: Callable[[Any], Any], help: str, *, minimum: flo
         "raw_text": raw_text})
 
 
+class _Short(reprlib.Repr):
+    """reprlib's cut-short repr, also for an integer too long for ``repr`` (over 4300 digits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxdict, self.maxset = 3, 6, 6, 6, 6
+        self.maxstring, self.maxlong, self.maxother = 60, 40, 60
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 256:
+            return f"<an integer of about {len(hex(x)) * 6 // 5} digits>"
+        return super().repr_int(x, level)
+
+
+_SHORT = _Short()
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut short for a message: a value may be huge (a 4 MB string, an expanded YAML alias)."""
+    return _SHORT.repr(value)
+
+
 def _finite(value: float, what: str) -> float:
     if not math.isfinite(value):
-        raise ValueError(f"expected a finite {what}, got {value!r}")
+        raise ValueError(f"expected a finite {what}, got {shown(value)}")
     return value
 
 
@@ -49,11 +72,11 @@ def parse_duration(raw: Any) -> float:
     if isinstance(raw, (int, float)):
         value = _finite(float(raw), "duration")
         if value < 0:
-            raise ValueError(f"expected a duration of 0 or more, got {raw!r}")
+            raise ValueError(f"expected a duration of 0 or more, got {shown(raw)}")
         return value
     match = _DURATION.match(str(raw)) if isinstance(raw, str) else None
     if not match:
-        raise ValueError(f"expected a duration like 1s, 500ms or 5m, got {raw!r}")
+        raise ValueError(f"expected a duration like 1s, 500ms or 5m, got {shown(raw)}")
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
@@ -65,25 +88,25 @@ def parse_bool(raw: Any) -> bool:
         return True
     if text in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"expected true or false, got {raw!r}")
+    raise ValueError(f"expected true or false, got {shown(raw)}")
 
 
 def parse_int(raw: Any) -> int:
     if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()) or isinstance(raw, (list, dict)):
-        raise ValueError(f"expected an integer, got {raw!r}")
+        raise ValueError(f"expected an integer, got {shown(raw)}")
     try:
         return int(raw)
     except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"expected an integer, got {raw!r}") from None
+        raise ValueError(f"expected an integer, got {shown(raw)}") from None
 
 
 def parse_float(raw: Any) -> float:
     if isinstance(raw, (bool, list, dict)):
-        raise ValueError(f"expected a number, got {raw!r}")
+        raise ValueError(f"expected a number, got {shown(raw)}")
     try:
         value = float(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"expected a number, got {raw!r}") from None
+        raise ValueError(f"expected a number, got {shown(raw)}") from None
     return _finite(value, "number")
 
 
@@ -106,7 +129,7 @@ def parse_host(text: str) -> str:
         pass
     if not re.fullmatch(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,62})(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,62}))*\.?",
                         host):
-        raise ValueError(f"expected an IP address or host name, got {text!r}")
+        raise ValueError(f"expected an IP address or host name, got {shown(text)}")
     return host
 
 
@@ -115,9 +138,9 @@ def parse_address(raw: Any) -> tuple[str, int]:
     text = parse_str(raw).strip()
     host, sep, port_text = text.rpartition(":")
     if not sep:
-        raise ValueError(f"expected host:port, got {text!r}")
+        raise ValueError(f"expected host:port, got {shown(text)}")
     if not port_text.isdigit():
-        raise ValueError(f"expected host:port with a numeric port, got {text!r}")
+        raise ValueError(f"expected host:port with a numeric port, got {shown(text)}")
     port = int(port_text)
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be 0..65535, got {port}")
@@ -140,7 +163,7 @@ def parse_networks(raw: Any) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Netw
         try:
             networks.append(ipaddress.ip_network(text, strict=False))
         except ValueError:
-            raise ValueError(f"expected IP networks like 10.0.0.0/16, got {text!r}") from None
+            raise ValueError(f"expected IP networks like 10.0.0.0/16, got {shown(text)}") from None
     return tuple(networks)
 
 
@@ -149,14 +172,14 @@ def parse_regex(raw: Any) -> re.Pattern[str]:
     try:
         return re.compile(text)
     except (re.error, RecursionError, OverflowError) as exc:
-        raise ValueError(f"invalid regular expression {text!r}: {exc}") from None
+        raise ValueError(f"invalid regular expression {shown(text)}: {exc}") from None
 
 
 def choice(*choices: str) -> Callable[[Any], str]:
     def parse(raw: Any) -> str:
         text = parse_str(raw).lower()
         if text not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}, got {raw!r}")
+            raise ValueError(f"expected one of {', '.join(choices)}, got {shown(raw)}")
         return text
 
     return parse
@@ -170,14 +193,14 @@ def parse_dir_mode(raw: Any) -> int:
     """
     text = parse_str(raw).strip().lower().removeprefix("0o")
     if isinstance(raw, int) and not isinstance(raw, bool):
-        raise ValueError(f"write the mode in octal as a string, e.g. \"0750\" (got the number {raw})")
+        raise ValueError(f"write the mode in octal as a string, e.g. \"0750\" (got the number {shown(raw)})")
     if not re.fullmatch(r"[0-7]{1,4}", text):
-        raise ValueError(f"expected an octal mode like 0750, got {raw!r}")
+        raise ValueError(f"expected an octal mode like 0750, got {shown(raw)}")
     value = int(text, 8)
     if value & ~0o777:
-        raise ValueError(f"setuid, setgid and sticky bits are not allowed, got {raw!r}")
+        raise ValueError(f"setuid, setgid and sticky bits are not allowed, got {shown(raw)}")
     if value & 0o002:
-        raise ValueError(f"a world-writable mode is not allowed, got {raw!r}")
+        raise ValueError(f"a world-writable mode is not allowed, got {shown(raw)}")
     return value
 
 

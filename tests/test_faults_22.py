@@ -1,0 +1,81 @@
+"""Issue 22's faults, as a user meets them: an alias bomb in the config, connections that promise a body
+they never send, a huge number in a control API body, and a newcomer's first commands."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import metric_value, wait_for
+
+from tfprofd.daemon import config as configmod
+from tfprofd.daemon.problems import ConfigError
+
+
+def alias_bomb(key: str = "interval") -> str:
+    """Nine levels of nine aliases: 300 bytes that PyYAML expands into 387 million values."""
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    for previous, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"{name}: &{name} [{', '.join([f'*{previous}'] * 9)}]")
+    return "\n".join(lines) + f"\n{key}: *i\n"
+
+
+def check_config(path: Path) -> subprocess.CompletedProcess:
+    # The timeout only ends a hung command (the fault took > 60 s); the check itself takes about a second.
+    return subprocess.run([sys.executable, "-m", "tfprofd.daemon", "check-config", str(path)], capture_output=True,
+                          text=True, timeout=60)
+
+
+# ---- 1. a YAML alias bomb ----
+
+def test_check_config_rejects_an_alias_bomb_naming_file_line_and_key(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(alias_bomb())
+    result = check_config(path)
+    assert result.returncode == 1, result.stderr
+    assert f"{path}:10: interval: holds more than {configmod.MAX_CONFIG_VALUES} values once its aliases are " \
+           "expanded" in result.stderr
+    assert len(result.stderr) < 2000  # no expanded value in any message
+
+
+@pytest.mark.parametrize("text, where", [
+    (alias_bomb().replace("interval: *i", "collectors:\n  disk:\n    devices: *i"), ":12: collectors.disk.devices"),
+    (alias_bomb().replace("interval: *i", "rules: *i"), ":10: rules"),
+    ("interval: &x [1, *x]\n", ":1: interval: an alias in this value refers to the value itself"),
+])
+def test_bombs_and_self_referring_aliases_anywhere_are_refused_with_every_other_problem(tmp_path, text, where):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(text + "log_level: loud\n")
+    with pytest.raises(ConfigError) as exc:
+        configmod.load(str(path), env={})
+    message = str(exc.value)
+    assert f"{path}{where}" in message
+    assert "log_level: expected one of debug, info, warning, error, got 'loud'" in message
+
+
+def test_a_huge_value_is_cut_short_in_its_message(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text(f"interval: {'9' * 500}s\ncaptures:\n  keep: 1{'0' * 400}\n")
+    with pytest.raises(ConfigError) as exc:
+        configmod.load(str(path), env={"TFPROFD_CAPTURES_DURATION": "x" * 1_000_000})
+    message = str(exc.value)
+    assert len(message) < 1000, message
+    assert "captures.keep: must be at most 100000, got <an integer of about" in message
+    assert "env TFPROFD_CAPTURES_DURATION: captures.duration: expected a duration like 1s, 500ms or 5m, got 'xxx" \
+        in message
+
+
+def test_sighup_with_an_alias_bomb_is_rejected_and_the_agent_serves_and_stops(agents, tmp_path):
+    config = tmp_path / "tfprofd.yaml"
+    config.write_text("interval: 0.2s\n")
+    agent = agents(args=["--config", str(config)])
+    config.write_text(alias_bomb())
+    agent.signal(signal.SIGHUP)
+    wait_for(lambda: "config reload rejected" in agent.log(), 30, message="the bomb to be rejected")
+    assert f"{config}:10: interval: holds more than" in agent.log()
+    assert metric_value(agent.scrape(), "tfprofd_collector_success", collector="cpu") == 1
+    agent.stop(timeout=60)
+    assert agent.proc.returncode == 0, agent.log()
