@@ -5,8 +5,9 @@ exhaust the descriptors the collectors need (~1,016 idle connections stopped /me
 collector under a 1024-descriptor limit), and it writes headers and body separately (Nagle against
 delayed ACK: 44 ms per scrape on a kept-alive connection). Here:
 
-- connections are bounded; at the bound the connection that has waited longest for a request is closed
-  to make room, so a flood of idle connections never locks out a scrape;
+- connections are bounded; at the bound the connection that has waited longest for a request (or for
+  the body it promised) is closed to make room, so a flood of idle connections never locks out a scrape;
+- a GET or HEAD with a body is refused (400) at once, without waiting for the body;
 - headers must arrive within ``request_timeout``, an idle keep-alive connection closes after
   ``idle_timeout``; a response goes out in one write with TCP_NODELAY;
 - anything ambiguous is refused and the connection closed: Transfer-Encoding (411), a malformed or
@@ -151,8 +152,17 @@ class EventLoop:
 
 @dataclass
 class _Conn:
-    writer: asyncio.StreamWriter
+    """One accepted connection, counted against the bound from the moment it is accepted."""
+
+    sock: socket.socket
+    writer: asyncio.StreamWriter | None = None  # once its task runs
     waiting: bool = True  # waiting for (the rest of) a request: may be evicted
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.transport.abort()
+        else:
+            self.sock.close()
 
 
 class HttpServer:
@@ -199,7 +209,7 @@ class HttpServer:
             loop.loop.remove_reader(self._sock.fileno())
             self._sock.close()
             for conn in list(self._conns.values()):
-                conn.writer.transport.abort()
+                conn.abort()
             self._conns.clear()
 
         try:
@@ -226,26 +236,28 @@ class HttpServer:
                 return
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._loop.create_task(self._serve(sock, str(peer[0]) if isinstance(peer, tuple) else ""))
+            conn = self._conns[id(sock)] = _Conn(sock)
+            self._loop.create_task(self._serve(conn, str(peer[0]) if isinstance(peer, tuple) else ""))
 
     def _evict(self) -> bool:
         """Close the connection that has waited longest for a request; False if every one is busy."""
         for key, conn in self._conns.items():
-            if conn.waiting:
+            if conn.waiting and conn.writer is not None:  # one not yet started has not waited at all
                 del self._conns[key]
-                conn.writer.transport.abort()
+                conn.abort()
                 self.evicted += 1
                 return True
         return False
 
-    async def _serve(self, sock: socket.socket, peer: str) -> None:
+    async def _serve(self, conn: _Conn, peer: str) -> None:
+        key = id(conn.sock)
         try:
-            reader, writer = await asyncio.open_connection(sock=sock, limit=MAX_HEADER_BYTES)
+            reader, writer = await asyncio.open_connection(sock=conn.sock, limit=MAX_HEADER_BYTES)
         except OSError:
-            sock.close()
+            conn.sock.close()
+            self._conns.pop(key, None)
             return
-        key = id(writer)
-        conn = self._conns[key] = _Conn(writer)
+        conn.writer = writer
         try:
             timeout = self.request_timeout
             while True:
@@ -269,17 +281,18 @@ class HttpServer:
         except asyncio.LimitOverrunError:
             await self._send(writer, "HEAD", json_response(431, {"error": "request headers too large"}), close=True)
             return False
-        conn.waiting = False
         try:
             request, version = self._parse(head, peer)
             keep = self._keep_alive(request, version)
             if self.authenticate is not None:
                 self.authenticate(request)
             route, request.params = self.router.resolve(request.method, request.path)
-            request.body = await self._body(reader, writer, request)
+            request.body = await self._body(reader, writer, request)  # evictable while it waits for the body
         except HttpError as exc:
+            conn.waiting = False
             await self._send(writer, "GET", json_response(exc.status, {"error": exc.reason, **exc.extra}), close=True)
             return False
+        conn.waiting = False
         response = await self._handle(route, request)
         await self._send(writer, request.method, response, close=not keep)
         return keep
@@ -317,6 +330,8 @@ class HttpServer:
         if not re.fullmatch(r"\d{1,12}", raw):
             raise HttpError(400, "invalid Content-Length")
         length = int(raw)
+        if length and request.method in ("GET", "HEAD"):
+            raise HttpError(400, f"a {request.method} request takes no body (got Content-Length: {length})")
         if length > self.max_body():
             raise HttpError(413, f"body larger than {self.max_body()} bytes")
         if length and request.headers.get("expect", "").lower() == "100-continue":

@@ -4,6 +4,7 @@ they never send, a huge number in a control API body, and a newcomer's first com
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,8 +43,9 @@ def test_check_config_rejects_an_alias_bomb_naming_file_line_and_key(tmp_path):
 
 
 @pytest.mark.parametrize("text, where", [
-    (alias_bomb().replace("interval: *i", "collectors:\n  disk:\n    devices: *i"), ":12: collectors.disk.devices"),
-    (alias_bomb().replace("interval: *i", "rules: *i"), ":10: rules"),
+    (alias_bomb().replace("interval: *i", "collectors:\n  disk:\n    device_exclude: *i"),
+     ":12: collectors.disk.device_exclude: holds more than"),
+    (alias_bomb().replace("interval: *i", "rules: *i"), ":10: rules: holds more than"),
     ("interval: &x [1, *x]\n", ":1: interval: an alias in this value refers to the value itself"),
 ])
 def test_bombs_and_self_referring_aliases_anywhere_are_refused_with_every_other_problem(tmp_path, text, where):
@@ -79,3 +81,54 @@ def test_sighup_with_an_alias_bomb_is_rejected_and_the_agent_serves_and_stops(ag
     assert metric_value(agent.scrape(), "tfprofd_collector_success", collector="cpu") == 1
     agent.stop(timeout=60)
     assert agent.proc.returncode == 0, agent.log()
+
+
+# ---- 2. connections that promise a body and never send it ----
+
+def promise_a_body(port: int, request: bytes, count: int) -> list[socket.socket]:
+    """``count`` connections that each send ``request`` (headers with Content-Length: 4000) and no body."""
+    conns = []
+    for _ in range(count):
+        conn = socket.create_connection(("127.0.0.1", port), timeout=60)
+        conn.sendall(request)
+        conns.append(conn)
+    return conns
+
+
+def answer(conn: socket.socket) -> bytes:
+    """Everything the server sends until it closes (a reset after eviction ends it too)."""
+    data = b""
+    try:
+        while chunk := conn.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    finally:
+        conn.close()
+    return data
+
+
+def test_get_promising_a_body_is_refused_at_once_and_never_locks_out_a_scrape(agents):
+    agent = agents()
+    conns = promise_a_body(agent.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 4000\r\n\r\n", 200)
+    assert metric_value(agent.scrape(), "tfprofd_collector_success", collector="cpu") == 1
+    answers = [answer(conn) for conn in conns]  # none of them ever sends its body
+    refused = [a for a in answers if a.startswith(b"HTTP/1.1 400 ") and b"a GET request takes no body" in a]
+    # The others were closed, unanswered, to keep the bound of 128 (the flood came faster than they were read).
+    evicted = metric_value(agent.scrape(), "tfprofd_http_connections_evicted_total", server="metrics")
+    assert refused and len(answers) - len(refused) <= evicted, ({a[:60] for a in answers}, evicted)
+    assert all(a == b"" for a in answers if a not in refused)
+
+
+def test_posts_waiting_for_their_body_are_evicted_to_make_room(agents):
+    agent = agents()
+    request = (f"POST /api/v1/captures HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {agent.token}\r\n"
+               "Content-Type: application/json\r\nContent-Length: 4000\r\n\r\n").encode()
+    conns = promise_a_body(agent.api_port, request, 200)
+    try:
+        assert agent.call("GET", "/captures") == (200, {"captures": []})  # none of them was acted on
+        evicted = metric_value(agent.scrape(), "tfprofd_http_connections_evicted_total", server="api")
+        assert evicted and evicted > 0
+    finally:
+        for conn in conns:
+            conn.close()
