@@ -10,16 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import metric_value, wait_for
 
 from tfprofd.daemon import config as configmod
 from tfprofd.daemon.problems import ConfigError
+
+from helpers import metric_value, wait_for
 
 
 def alias_bomb(key: str = "interval") -> str:
     """Nine levels of nine aliases: 300 bytes that PyYAML expands into 387 million values."""
     lines = ["a: &a [x, x, x, x, x, x, x, x, x]"]
-    for previous, name in zip("abcdefgh", "bcdefghi"):
+    for previous, name in zip("abcdefgh", "bcdefghi", strict=True):
         lines.append(f"{name}: &{name} [{', '.join([f'*{previous}'] * 9)}]")
     return "\n".join(lines) + f"\n{key}: *i\n"
 
