@@ -47,8 +47,8 @@ class Endpoints:
                     ["collector"], (((name,), s.duration) for name, s in statuses))
         yield gauge("collector_last_sample_timestamp_seconds", "Unix time of the collector's latest sample.",
                     ["collector"], (((name,), s.last_sample_wall) for name, s in statuses if s.last_sample_wall))
-        yield counter("http_connections_evicted", "Connections waiting for a request (or its body) closed to make room for new ones, "
-                      "by server.",
+        yield counter("http_connections_evicted", "Connections waiting for a request (or its body) closed to make "
+                      "room for new ones, by server.",
                       ["server"], (((s.name,), s.evicted) for s in self.servers()))
 
     def _agent_families(self) -> list[Metric]:
