@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tfprofd.exporter.options import shown
+
 from .captures import CaptureService
 from .errors import (
     AmbiguousJob,
@@ -134,7 +136,7 @@ def _int_in(body: dict[str, Any], key: str, low: int, high: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise HttpError(400, f"{key} must be an integer in {low}..{high}, got {value!r}")
+        raise HttpError(400, f"{key} must be an integer in {low}..{high}, got {shown(value)}")
     return value
 
 
@@ -220,7 +222,8 @@ class ControlApi:
         if not isinstance(payload, dict) or not isinstance(payload.get("alerts"), list):
             raise HttpError(400, "expected an Alertmanager webhook payload: an object with an \"alerts\" list")
         if str(payload.get("version", "4")) != "4":
-            raise HttpError(400, f"unsupported webhook payload version {payload.get('version')!r}; expected \"4\"")
+            raise HttpError(400, f"unsupported webhook payload version {shown(payload.get('version'))}; expected "
+                                 "\"4\"")
         for index, alert in enumerate(payload["alerts"]):
             if not isinstance(alert, dict) or not isinstance(alert.get("labels"), dict):
                 raise HttpError(400, f"alerts[{index}] must be an object with a labels object")

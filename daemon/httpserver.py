@@ -37,6 +37,7 @@ from urllib.parse import parse_qs, urlsplit
 log = logging.getLogger("tfprofd.http")
 
 MAX_HEADER_BYTES = 16 * 1024
+MAX_JSON_INT_DIGITS = 32  # far past any count or id a request carries; Python's own limit (4300) answers 500
 _REQUEST_LINE = re.compile(rb"([A-Z]{1,16}) ([!-~]{1,8192}) HTTP/(1\.[01])")
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
 _SINGLE = ("content-length", "host", "authorization", "content-type")
@@ -57,11 +58,22 @@ class Request:
         if not self.body.strip():
             return None
         try:
-            return json.loads(self.body)
+            return json.loads(self.body, parse_int=_json_int, parse_constant=_json_constant)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise HttpError(400, f"body is not valid JSON: {exc}") from None
         except RecursionError:
             raise HttpError(400, "body is nested too deeply") from None
+
+
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_JSON_INT_DIGITS:
+        raise HttpError(400, f"body holds an integer of {len(text.lstrip('-'))} digits; at most "
+                             f"{MAX_JSON_INT_DIGITS} are accepted")
+    return int(text)
+
+
+def _json_constant(name: str) -> float:
+    raise HttpError(400, f"body is not valid JSON: {name} is not a JSON number")
 
 
 @dataclass

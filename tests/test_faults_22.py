@@ -133,3 +133,27 @@ def test_posts_waiting_for_their_body_are_evicted_to_make_room(agents):
     finally:
         for conn in conns:
             conn.close()
+
+
+# ---- 3. a huge number in a control API body ----
+
+@pytest.mark.parametrize("path, body", [
+    ("/captures", b'{"duration_ms": 1%s}'),
+    ("/captures", b'{"options": {"delay_ms": -1%s}}'),
+    ("/captures", b'{"job": 1%s}'),
+    ("/alerts", b'{"version": 1%s, "alerts": []}'),
+    ("/alerts", b'{"alerts": [{"labels": {"alertname": 1%s}, "status": "firing"}]}'),
+])
+def test_a_five_thousand_digit_integer_in_a_body_is_a_400_with_its_reason(agents, path, body):
+    agent = agents()
+    status, answer = agent.call("POST", path, body % (b"0" * 4999))
+    assert status == 400, answer
+    assert answer == {"error": "body holds an integer of 5000 digits; at most 32 are accepted"}
+    assert agent.call("GET", "/captures") == (200, {"captures": []})
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_not_json_numbers(agents, constant):
+    agent = agents()
+    status, answer = agent.call("POST", "/captures", f'{{"duration_ms": {constant}}}'.encode())
+    assert (status, answer) == (400, {"error": f"body is not valid JSON: {constant} is not a JSON number"})
