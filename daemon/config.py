@@ -27,6 +27,7 @@ from tfprofd.exporter.options import option
 from tfprofd.exporter.registry import COLLECTORS, signal_catalog
 from tfprofd.exporter.training import HookSettings
 
+from .client import default_state_dir
 from .problems import ConfigError, Problem
 from .rules import DEFAULT_RULES, Rule, parse_rules
 
@@ -36,12 +37,6 @@ MAX_CONFIG_BYTES = 4 * 1024 * 1024
 # Values (scalars, lists, mappings) one key may hold with its YAML aliases expanded: far above any real config,
 # far below an alias bomb (nine levels of nine aliases make 387 million from a 300-byte file).
 MAX_CONFIG_VALUES = 100_000
-
-
-def default_state_dir(euid: int | None = None) -> str:
-    if (os.geteuid() if euid is None else euid) == 0:
-        return "/var/lib/tfprofd"
-    return str(Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local/state") / "tfprofd")
 
 
 @dataclass(frozen=True)
@@ -157,6 +152,12 @@ class Option:
         value = self.field.default
         if value is None:
             return "off"
+        if isinstance(value, bool):
+            return str(value).lower()
+        if self.meta["parse"] is opt.parse_duration:
+            return opt.format_duration(value)
+        if value == "":
+            return "none"
         if isinstance(value, tuple) and len(value) == 2:  # an address
             return f"{value[0]}:{value[1]}"
         if isinstance(value, tuple):  # a list

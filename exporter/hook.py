@@ -571,8 +571,16 @@ def _make_callback_class() -> type:
     try:
         import keras
     except ImportError:  # tf_keras alone
-        import tf_keras as keras
-    import tensorflow as tf
+        try:
+            import tf_keras as keras
+        except ImportError:
+            raise ImportError("TfprofdCallback needs Keras (Keras 3 or tf_keras) with TensorFlow: pip install "
+                              "tensorflow") from None
+    try:
+        import tensorflow as tf
+    except ImportError:
+        raise ImportError("TfprofdCallback needs TensorFlow (Keras alone is not enough): pip install tensorflow") \
+            from None
 
     class TfprofdCallback(keras.callbacks.Callback):
         """Keras callback reporting exact steps, samples, step times and phase to the tfprofd agent.

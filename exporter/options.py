@@ -80,6 +80,17 @@ def parse_duration(raw: Any) -> float:
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
+def format_duration(seconds: float) -> str:
+    """A duration as a user writes it (``24h``, ``5m``, ``90s``, ``500ms``): what parse_duration reads back."""
+    if seconds == 0:
+        return "0s"
+    for unit, size in (("h", 3600.0), ("m", 60.0), ("s", 1.0)):
+        if seconds >= size and (seconds / size).is_integer():
+            return f"{int(seconds / size)}{unit}"
+    millis = seconds * 1000
+    return f"{round(millis)}ms" if math.isclose(millis, round(millis)) else f"{seconds:g}s"
+
+
 def parse_bool(raw: Any) -> bool:
     if isinstance(raw, bool):
         return raw

@@ -3,6 +3,7 @@ they never send, a huge number in a control API body, and a newcomer's first com
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -157,3 +158,77 @@ def test_nan_and_infinity_are_not_json_numbers(agents, constant):
     agent = agents()
     status, answer = agent.call("POST", "/captures", f'{{"duration_ms": {constant}}}'.encode())
     assert (status, answer) == (400, {"error": f"body is not valid JSON: {constant} is not a JSON number"})
+
+
+# ---- 4. a newcomer's first commands ----
+
+AGENT_DEPENDENCIES = ("yaml", "prometheus_client", "psutil", "pynvml", "grpc", "google", "xprof")
+
+
+def tfprofd(*args: str, missing: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """The ``tfprofd`` command (its entry point) with ``missing`` modules not installed."""
+    code = ("import sys\n"
+            f"for name in {missing!r}: sys.modules[name] = None  # import fails: not installed\n"
+            "from tfprofd.daemon.entry import main\n"
+            f"sys.argv = ['tfprofd', *{list(args)!r}]\n"
+            "sys.exit(main())\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "1000"})
+
+
+def test_run_help_shows_defaults_as_a_user_writes_them():
+    out = tfprofd("run", "--help").stdout
+    lines: dict[str, str] = {}  # flag -> its help, on one line or two
+    for line in out.splitlines():
+        if line.strip().startswith("--"):
+            flag = line.split()[0]
+            lines[flag] = line
+        elif lines:
+            lines[flag] += " " + line.strip()
+    assert lines["--interval"].endswith("Default: 1s.")
+    assert lines["--captures.hold"].endswith("Default: 24h.")
+    assert lines["--captures.delay"].endswith("Default: 0s.")
+    assert lines["--captures.baseline-every"].endswith("Default: 6h.")
+    assert lines["--captures.analyze"].endswith("Default: true.")
+    assert lines["--api.token-file"].endswith("Default: none.")
+    for raw in ("Default: 1.0.", "Default: 86400.0.", "Default: True.", "Default: False.", "Default: ."):
+        assert raw not in out
+
+
+def test_a_401_from_capture_names_the_token_file_it_read(agents, tmp_path):
+    agent = agents()
+    stale = tmp_path / "old-state"
+    stale.mkdir()
+    (stale / "api.token").write_text("a-token-from-an-older-agent\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TFPROFD_API_TOKEN", "TFPROFD_API_TOKEN_FILE")}
+    result = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "capture", "--api", agent.api.removesuffix(
+        "/api/v1")], capture_output=True, text=True, timeout=120, env={**env, "TFPROFD_STATE_DIR": str(stale)})
+    assert result.returncode == 1
+    assert "capture refused (401)" in result.stderr
+    assert f"did not accept the token file {stale / 'api.token'}" in result.stderr
+    assert "--token-file" in result.stderr
+
+
+def test_capture_works_without_the_agents_dependencies(agents):
+    agent = agents()
+    token_file = agent.tmp / "state" / "api.token"
+    result = tfprofd("capture", "--api", agent.api.removesuffix("/api/v1"), "--token-file", str(token_file),
+                     missing=AGENT_DEPENDENCIES)
+    assert result.returncode == 1
+    assert result.stderr.startswith("tfprofd: capture refused (404): "), result.stderr  # no training job reports
+    assert "training hook only" not in result.stderr
+    help_text = tfprofd("capture", "--help", missing=AGENT_DEPENDENCIES)
+    assert help_text.returncode == 0 and "--token-file" in help_text.stdout
+
+
+def test_importing_the_callback_without_keras_says_so_in_one_line():
+    code = ("import sys\n"
+            "for name in ('keras', 'tf_keras', 'tensorflow'): sys.modules[name] = None\n"
+            "from tfprofd.exporter.hook import TfprofdCallback\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "During handling of the above exception" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if not line.startswith(" ")][-2:] == [
+        "Traceback (most recent call last):",
+        "ImportError: TfprofdCallback needs Keras (Keras 3 or tf_keras) with TensorFlow: pip install tensorflow"]
+    assert result.stderr.count("Traceback (most recent call last):") == 1, result.stderr
