@@ -8,15 +8,16 @@ AGENT_MODULES = {"prometheus_client", "psutil", "yaml", "pynvml", "grpc", "googl
 
 
 def main() -> int:
+    from .cli import main as cli_main  # the standard library only: the agent's modules load per command
+
     try:
-        from .cli import main as cli_main
+        return cli_main()
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in AGENT_MODULES:
             raise
         print(f"tfprofd: this install has the training hook only (no {exc.name}); the agent needs its "
               "dependencies: pip install 'tfprofd[agent]'", file=sys.stderr)
         return 2
-    return cli_main()
 
 
 if __name__ == "__main__":

@@ -123,3 +123,15 @@ def test_the_hook_installs_alone_without_the_agents_dependencies(tmp_path):
         assert json.loads(agent.recv(65536))["samples"] == 32
     run_agent = subprocess.run([str(venv / "bin" / "tfprofd"), "run"], capture_output=True, text=True, timeout=60)
     assert run_agent.returncode == 2 and "pip install 'tfprofd[agent]'" in run_agent.stderr, run_agent.stderr
+    # The capture client needs nothing but the standard library; the callback says in one line what it needs.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        api = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        capture = subprocess.run([str(venv / "bin" / "tfprofd"), "capture", "--api", api], capture_output=True,
+                                 text=True, timeout=60)
+    assert capture.returncode == 1 and capture.stderr.startswith(f"tfprofd: cannot reach the agent at {api}"), \
+        capture.stderr
+    callback = subprocess.run([str(python), "-c", "from tfprofd.exporter.hook import TfprofdCallback"],
+                              capture_output=True, text=True, timeout=60)
+    assert callback.stderr.splitlines()[-1].startswith("ImportError: TfprofdCallback needs Keras"), callback.stderr
+    assert "During handling of the above exception" not in callback.stderr
