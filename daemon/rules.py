@@ -22,7 +22,7 @@ import yaml
 from prometheus_client.core import Metric
 
 from tfprofd.exporter.base import Signals, counter, gauge
-from tfprofd.exporter.options import parse_bool, parse_duration
+from tfprofd.exporter.options import parse_bool, parse_duration, shown
 
 from .problems import Problem
 
@@ -111,12 +111,12 @@ def _condition(items: Items, catalog: Catalog, where: Callable[[int], str], key:
     signal, line, _ = items.get("signal", (None, line0, None))
     if not isinstance(signal, str) or signal not in catalog:
         problems.append(Problem(where(line), f"{key}.signal",
-                                f"expected one of {', '.join(catalog)}, got {_short(signal)}"))
+                                f"expected one of {', '.join(catalog)}, got {shown(signal)}"))
     values["signal"] = signal
     aggregate, line, _ = items.get("aggregate", ("last", line0, None))
     if not isinstance(aggregate, str) or not _AGGREGATE.match(aggregate):
         problems.append(Problem(where(line), f"{key}.aggregate",
-                                f"expected last, mean, min, max, increase or pNN, got {_short(aggregate)}"))
+                                f"expected last, mean, min, max, increase or pNN, got {shown(aggregate)}"))
     values["aggregate"] = aggregate
     values.update(_typed_fields(items, (("window", "window", parse_duration),
                                         ("baseline", "baseline", parse_duration)), where, key, problems))
@@ -127,20 +127,15 @@ def _condition(items: Items, catalog: Catalog, where: Callable[[int], str], key:
     for name in comparisons:
         raw, line, _ = items[name]
         if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
-            problems.append(Problem(where(line), f"{key}.{name}", f"expected a finite number, got {_short(raw)}"))
+            problems.append(Problem(where(line), f"{key}.{name}", f"expected a finite number, got {shown(raw)}"))
         elif name.endswith("_baseline") and raw < 0:
-            problems.append(Problem(where(line), f"{key}.{name}", f"expected a ratio of 0 or more, got {raw!r}"))
+            problems.append(Problem(where(line), f"{key}.{name}", f"expected a ratio of 0 or more, got {shown(raw)}"))
         else:
             values[name] = float(raw)
     if values.get("aggregate") != "last" and not values.get("window"):
         problems.append(Problem(where(items.get("aggregate", (None, line0))[1]), f"{key}.window",
                                 f"aggregate {values.get('aggregate')} needs a window"))
     return Condition(**values) if len(problems) == start else None
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def parse_rules(loader: yaml.SafeLoader, node: yaml.Node, path: str, catalog: Catalog,
@@ -163,7 +158,7 @@ def parse_rules(loader: yaml.SafeLoader, node: yaml.Node, path: str, catalog: Ca
         start = len(problems)
         name, line, _ = items.get("name", (None, line0, None))
         if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]{0,63}", name):
-            problems.append(Problem(where(line), f"{key}.name", f"expected a snake_case name, got {_short(name)}"))
+            problems.append(Problem(where(line), f"{key}.name", f"expected a snake_case name, got {shown(name)}"))
         elif name in names:
             problems.append(Problem(where(line), f"{key}.name", f"duplicate rule name {name!r}"))
         names.add(name)
