@@ -60,9 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     headers = {"Content-Type": "application/json"}
     token_file = Path(args.token_file) if args.token_file else default_token_file()
+    looked_in = ", ".join(map(str, token_file_candidates()))
     token = os.environ.get("TFPROFD_API_TOKEN", "").strip()
     if token:
-        source = "env TFPROFD_API_TOKEN"
+        source = "the token in env TFPROFD_API_TOKEN"
     elif token_file is not None:
         try:
             token = token_file.read_text().strip()
@@ -70,10 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tfprofd: cannot read the API token {token_file}: {exc.strerror} (are you in the agent's "
                   "group?)", file=sys.stderr)
             return 1
-        source = f"the token file {token_file}" + ("" if args.token_file else " (found by looking in "
-                                                   f"{', '.join(map(str, token_file_candidates()))})")
+        source = f"the token file {token_file}" + ("" if args.token_file else f" (found by looking in {looked_in})")
     else:
-        source = f"no token: none given and no api.token in {', '.join(map(str, token_file_candidates()))}"
+        source = f"a request without a token (none given; no api.token in {looked_in})"
     if token:
         headers["Authorization"] = "Bearer " + token
 
