@@ -81,6 +81,13 @@ def test_example_alertmanager_config_passes_amtool():
     assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("alert", ["TfprofdGpuUnderutilized", "TfprofdThroughputDrop", "TfprofdStraggler"])
+def test_example_alertmanager_config_sends_the_slowdown_alerts_to_the_agents(alert):
+    result = run(tool("amtool"), "config", "routes", "test", f"--config.file={PROMETHEUS / 'alertmanager-example.yml'}",
+                 f"alertname={alert}", "instance=gpu-node-2:9847", "training_job=bert", "worker=worker-1")
+    assert result.returncode == 0 and result.stdout.split() == ["tfprofd-capture"], result.stdout + result.stderr
+
+
 def test_systemd_unit_passes_systemd_analyze_verify(tmp_path):
     unit = (ROOT / "systemd" / "tfprofd.service").read_text()
     assert "EnvironmentFile=-/etc/default/tfprofd" in unit and "User=tfprofd" in unit
