@@ -125,8 +125,18 @@ class AlertSettings:
                                     minimum=0.1, maximum=60)
 
 
+@dataclass(frozen=True)
+class ClusterSettings:
+    prometheus_url: str = option("", opt.parse_http_url, "Prometheus that scrapes the agents: where the workers of "
+                                 "a job on other hosts are found (their tfprofd_training_up). Empty: none.")
+    peers: tuple[tuple[str, int], ...] = option((), opt.parse_peers, "Control API host:port of other agents, for "
+                                                "hosts without Prometheus (trusted as named).")
+    timeout: float = option(2.0, opt.parse_duration, "How long the Prometheus query for a job's agents may take.",
+                            minimum=0.1, maximum=60)
+
+
 AGENT_SECTIONS: dict[str, type] = {"": CoreSettings, "api": ApiSettings, "captures": CaptureSettings,
-                                   "alerts": AlertSettings}
+                                   "alerts": AlertSettings, "cluster": ClusterSettings}
 SECTIONS: dict[str, type] = {**AGENT_SECTIONS, **{cls.section: cls.Settings for cls in COLLECTORS.values()}}
 
 
@@ -185,6 +195,7 @@ class Config:
     api: ApiSettings
     captures: CaptureSettings
     alerts: AlertSettings
+    cluster: ClusterSettings
     collectors: Mapping[str, Any]  # collector name -> its Settings
     rules: tuple[Rule, ...]
     path: str | None = None
@@ -195,7 +206,7 @@ class Config:
 
     def section(self, prefix: str) -> Any:
         attr = {"": "core"}.get(prefix, prefix)
-        if attr in ("core", "api", "captures", "alerts"):
+        if attr in ("core", "api", "captures", "alerts", "cluster"):
             return getattr(self, attr)
         return next(self.collectors[name] for name, cls in COLLECTORS.items() if cls.section == prefix)
 
@@ -388,6 +399,7 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None,
     if problems:
         raise ConfigError(problems)
     return Config(core=core, api=api, captures=sections["captures"], alerts=sections["alerts"],
+                  cluster=sections["cluster"],
                   collectors={name: sections[cls.section] for name, cls in COLLECTORS.items()},
                   rules=tuple(rules), path=path)
 
@@ -418,4 +430,5 @@ def keep_restart_only(new: Config, running: Config) -> tuple[Config, list[str]]:
     collectors = {name: replaced.get(cls.section, new.collectors[name]) for name, cls in COLLECTORS.items()}
     return dataclasses.replace(new, core=replaced.get("", new.core), api=replaced.get("api", new.api),
                                captures=replaced.get("captures", new.captures),
-                               alerts=replaced.get("alerts", new.alerts), collectors=collectors), changed
+                               alerts=replaced.get("alerts", new.alerts), cluster=replaced.get("cluster", new.cluster),
+                               collectors=collectors), changed

@@ -57,3 +57,7 @@ class ForwardFailed(DomainError):
 
 class StorageError(DomainError):
     """The agent cannot write its state (full disk, permissions)."""
+
+
+class DiscoveryFailed(DomainError):
+    """Prometheus could not say where a job's workers are (unreachable, slow, or an answer not understood)."""

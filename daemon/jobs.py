@@ -40,6 +40,7 @@ class JobRegistry:
         self._gpus: tuple[tuple[str, str, frozenset[int]], ...] = ()
         self._pods: tuple[PodDevice, ...] = ()
         self._mig_parents: dict[str, str] = {}  # MIG UUID -> its GPU's index
+        self._minors: dict[int, str] = {}  # GPU minor number (/dev/nvidiaN) -> its index
         self._lock = threading.Lock()
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
@@ -60,6 +61,7 @@ class JobRegistry:
         self._gpus = tuple(g for f in facts if isinstance(f, GpuProcesses) for g in f.gpus)
         self._pods = tuple(d for f in facts if isinstance(f, PodDevices) for d in f.devices)
         self._mig_parents = {m: g for f in facts if isinstance(f, GpuProcesses) for m, g in f.mig_parents}
+        self._minors = {minor: g for f in facts if isinstance(f, GpuProcesses) for minor, g in f.minors}
 
     def _job_gpus(self) -> list[tuple[str, str, ProcessView]]:
         """(gpu, uuid, process) for every reporting process NVML lists on a GPU (joined on pid)."""
@@ -127,14 +129,21 @@ class JobRegistry:
 
     def _gpu_pods(self) -> list[tuple[str, str, PodDevice]]:
         """(gpu, uuid, pod device) for every GPU device the kubelet assigned, with NVML's index for its UUID
-        (or its UUID for an index, where the device plugin names GPUs by index; a MIG device gets its GPU's
-        index); unknown parts are ""."""
+        (or its UUID for an index, where the device plugin or CDI names GPUs by index, or for a minor number,
+        where a DRA driver does; a MIG device gets its GPU's index, and its own UUID or none); unknown parts
+        are ""."""
         with self._lock:
-            gpus, pods, mig_parents = self._gpus, self._pods, self._mig_parents
+            gpus, pods, mig_parents, minors = self._gpus, self._pods, self._mig_parents, self._minors
         index_of = {**mig_parents, **{uuid: gpu for gpu, uuid, _ in gpus}}
         uuid_of = {gpu: uuid for gpu, uuid, _ in gpus}
-        return [(d.device_id, uuid_of.get(d.device_id, ""), d) if d.device_id.isdigit()
-                else (index_of.get(d.device_id, ""), d.device_id, d) for d in pods]
+        located = []
+        for d in pods:
+            if d.minor is not None or d.device_id.isdigit():
+                gpu = minors.get(d.minor, "") if d.minor is not None else d.device_id
+                located.append((gpu, "" if d.mig else uuid_of.get(gpu, ""), d))
+            else:
+                located.append((index_of.get(d.device_id, ""), d.device_id, d))
+        return located
 
     def collect(self) -> Iterator[Metric]:
         rows = sorted({(gpu, uuid, p.job, p.worker) for gpu, uuid, p in self._job_gpus()})

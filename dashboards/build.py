@@ -17,6 +17,7 @@ from grafana_foundation_sdk.models.dashboard import (
     DashboardCursorSync,
     DataSourceRef,
     DataTransformerConfig,
+    DynamicConfigValue,
     VariableRefresh,
 )
 
@@ -25,6 +26,7 @@ DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 HOST = 'instance=~"$instance"'
 GPU = f'{HOST}, gpu=~"$gpu"'
 JOB = f'{HOST}, training_job=~"$training_job"'
+STRAGGLER = 1.2  # prometheus/tfprofd-alerts.yaml's TfprofdStraggler threshold (a test keeps them equal)
 
 
 def query(expr: str, legend: str = "", ref: str = "A", instant: bool = False) -> prometheus.Dataquery:
@@ -47,6 +49,33 @@ def variable(name: str, label: str, expr: str) -> dashboard.QueryVariable:
     return (dashboard.QueryVariable(name).label(label).datasource(DATASOURCE)
             .query({"query": expr, "refId": f"{name}-query"}).refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
             .multi(True).include_all(True).all_value(".*"))
+
+
+def worker_step_time(rate: str) -> timeseries.Panel:
+    """Each worker's mean step time, its job's median, and the stragglers marked (every host: a job's workers
+    are compared with each other wherever they run)."""
+    by = "training_job, worker, instance"
+    selector = 'training_job=~"$training_job"'
+    worker = (f"(sum by ({by}) (rate(tfprofd_training_step_duration_seconds_sum{{{selector}}}[{rate}])) "
+              f"/ sum by ({by}) (rate(tfprofd_training_step_duration_seconds_count{{{selector}}}[{rate}]) > 0))")
+    median = f"quantile by (training_job) (0.5, {worker})"
+    workers = f"count by (training_job) (count by (training_job, worker) ({worker}))"
+    straggler = (f"{worker} and ({worker} / on (training_job) group_left {median} >= {STRAGGLER}) "
+                 f"and on (training_job) ({workers} >= 2)")
+    red = [DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "red"}),
+           DynamicConfigValue(id_val="custom.lineWidth", value=4),
+           DynamicConfigValue(id_val="custom.showPoints", value="always")]
+    dashed = [DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
+              DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "text"})]
+    return (series("Step time per worker", "s",
+                   query(worker, "{{training_job}} {{worker}} on {{instance}}"),
+                   query(median, "median of {{training_job}}", "B"),
+                   query(straggler, "straggler: {{training_job}} {{worker}} on {{instance}}", "C"),
+                   description=f"Mean step time of each worker of the job, on every host, against the median of "
+                               f"the job's workers (dashed). A worker {STRAGGLER}x the median or slower in a job of "
+                               f"two or more workers is drawn again in red; held 5 minutes, that is the "
+                               f"TfprofdStraggler alert, which captures a profile on the straggler's host.")
+            .override_by_query("B", dashed).override_by_query("C", red))
 
 
 def build() -> dashboard.Dashboard:
@@ -79,6 +108,7 @@ def build() -> dashboard.Dashboard:
               f"(rate(tfprofd_training_step_duration_seconds_bucket{{{JOB}}}[{rate}])))", "p95 {{training_job}}",
               "B"),
         description="Step duration measured by the hook."))
+    d = d.with_panel(worker_step_time(rate))
     job_gpu = f"tfprofd_gpu_job_info{{{JOB}}}"
     d = d.with_panel(table.Panel().title("Job to GPU and pod").unit("none").datasource(DATASOURCE).span(8).height(8)
                      .description("Which training job runs on which GPU (NVML process list joined with the hook) "

@@ -71,6 +71,7 @@ class GpuSample:
     uuid: str
     name: str
     pci_bus_id: str
+    minor: int | None = None  # of /dev/nvidiaN, which Kubernetes DRA drivers name GPUs by
     utilization: float | None = None
     memory_utilization: float | None = None
     memory_used: int | None = None
@@ -111,11 +112,12 @@ class MigSample:
 
 @dataclass(frozen=True)
 class GpuProcesses:
-    """The processes NVML lists on each GPU: (gpu label, uuid, pids) per GPU it could read, and the GPU
-    each MIG device belongs to: (MIG UUID, gpu label)."""
+    """The processes NVML lists on each GPU: (gpu label, uuid, pids) per GPU it could read, the GPU
+    each MIG device belongs to: (MIG UUID, gpu label), and each GPU's minor number: (minor, gpu label)."""
 
     gpus: tuple[tuple[str, str, frozenset[int]], ...]
     mig_parents: tuple[tuple[str, str], ...] = ()
+    minors: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -284,6 +286,7 @@ class NvmlCollector(Collector):
             pci_bus_id=_text(nvml.nvmlDeviceGetPciInfo(handle).busId),
         )
         opt = self._optional
+        gpu.minor = opt("minor_number", lambda: nvml.nvmlDeviceGetMinorNumber(handle))
         rates = opt("utilization", lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
         if rates is not None:
             gpu.utilization, gpu.memory_utilization = rates.gpu / 100.0, rates.memory / 100.0
@@ -421,7 +424,8 @@ class NvmlCollector(Collector):
     def facts(self) -> tuple[GpuProcesses, ...]:
         return (GpuProcesses(tuple((str(g.index), g.uuid, frozenset(pid for pid, _, _ in g.processes))
                                    for g in self.gpus),
-                             tuple((m.uuid, str(g.index)) for g in self.gpus for m in g.migs)),)
+                             tuple((m.uuid, str(g.index)) for g in self.gpus for m in g.migs),
+                             tuple((g.minor, str(g.index)) for g in self.gpus if g.minor is not None)),)
 
     def problem(self) -> str | None:
         return self._xid.problem

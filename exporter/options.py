@@ -13,6 +13,7 @@ import ipaddress
 import math
 import re
 import reprlib
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -161,6 +162,37 @@ def parse_address(raw: Any) -> tuple[str, int]:
 def parse_optional_address(raw: Any) -> tuple[str, int] | None:
     """Like parse_address; an empty value turns the listener off."""
     return parse_address(raw) if parse_str(raw).strip() else None
+
+
+def parse_peers(raw: Any) -> tuple[tuple[str, int], ...]:
+    """``host:port`` addresses of other agents from a YAML list or a comma-separated string; empty: none."""
+    items = raw if isinstance(raw, list) else [] if raw is None else parse_str(raw).split(",")
+    peers = []
+    for item in items:
+        text = parse_str(item).strip()
+        if not text:
+            continue
+        host, port = parse_address(text)
+        if text.startswith(":") or port == 0:
+            raise ValueError(f"expected host:port of an agent's control API, got {shown(text)}")
+        if (host, port) not in peers:
+            peers.append((host, port))
+    return tuple(peers)
+
+
+def parse_http_url(raw: Any) -> str:
+    """An http(s) URL with a host, without credentials, query or fragment (trailing / removed); empty: off."""
+    text = parse_str(raw).strip()
+    if not text:
+        return ""
+    url = urllib.parse.urlsplit(text)
+    if url.scheme not in ("http", "https") or not url.hostname or url.username or url.query or url.fragment:
+        raise ValueError(f"expected an http:// or https:// URL like http://prometheus:9090, got {shown(text)}")
+    try:
+        url.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise ValueError(f"bad port in {shown(text)}: {exc}") from None
+    return text.rstrip("/")
 
 
 def parse_networks(raw: Any) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:

@@ -13,12 +13,15 @@ from tfprofd.exporter.protos import podresources_pb2 as pb
 
 # pod -> (namespace, {container: {resource: [device ids]}})
 Pods = dict[str, tuple[str, dict[str, dict[str, list[str]]]]]
+# (pod, container) -> the devices DRA allocated it: (claim, driver, pool, device, [CDI device names]) each
+Claims = dict[tuple[str, str], list[tuple[str, str, str, str, list[str]]]]
 
 
 class FakeKubelet:
-    def __init__(self, socket_path: Path, pods: Pods | None = None):
+    def __init__(self, socket_path: Path, pods: Pods | None = None, claims: Claims | None = None):
         self.socket_path = socket_path
         self.pods: Pods = pods or {}
+        self.claims: Claims = claims or {}
         self.delay = 0.0  # seconds each List takes (a slow kubelet)
         self.calls = 0
         self._release = threading.Event()
@@ -41,6 +44,10 @@ class FakeKubelet:
                 c = p.containers.add(name=container, cpu_ids=[2, 3])
                 for resource, ids in resources.items():
                     c.devices.add(resource_name=resource, device_ids=ids)
+                for claim, driver, pool, device, cdi in self.claims.get((pod, container), []):
+                    c.dynamic_resources.add(claim_name=claim, claim_namespace=namespace).claim_resources.add(
+                        driver_name=driver, pool_name=pool, device_name=device,
+                        cdi_devices=[pb.CDIDevice(name=name) for name in cdi])
         return response
 
     def __enter__(self) -> FakeKubelet:

@@ -313,17 +313,20 @@ class Server:
         self.log_file.close()
 
 
-def start_prometheus(tmp: Path, scrape_port: int, rule_files: list[Path] | None = None,
+def start_prometheus(tmp: Path, scrape_port: int | list[int | str], rule_files: list[Path] | None = None,
                      alertmanager_port: int | None = None,
                      extra_targets: dict[str, int] | None = None) -> tuple[Server, int]:
-    """Debian's prometheus on a free loopback port, scraping the agent (job tfprofd) every second."""
+    """Debian's prometheus on a free loopback port, scraping the agent (job tfprofd; several agents: a list
+    of ports, or of ``host:port`` for agents on other loopback addresses) every second."""
     port = free_port()
     alerting = (f"alerting: {{alertmanagers: [{{static_configs: [{{targets: ['127.0.0.1:{alertmanager_port}']}}]}}]}}"
                 if alertmanager_port else "")
     jobs = {"tfprofd": scrape_port, **(extra_targets or {})}
     scrape_configs = "".join(f"""
   - job_name: {job}
-    static_configs: [{{targets: ["127.0.0.1:{target}"]}}]""" for job, target in jobs.items())
+    static_configs: [{{targets: {json.dumps([t if isinstance(t, str) else f"127.0.0.1:{t}"
+                                             for t in ([target] if isinstance(target, int) else target)])}}}]"""
+                             for job, target in jobs.items())
     (tmp / "prometheus.yml").write_text(f"""
 global: {{scrape_interval: 1s, evaluation_interval: 1s}}
 rule_files: {json.dumps([str(f) for f in rule_files or []])}

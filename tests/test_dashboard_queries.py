@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 import urllib.parse
 
 import pytest
 from fake_kubelet import FakeKubelet
+
+from tfprofd.exporter.hook import Reporter
 
 from helpers import (
     ROOT,
@@ -29,6 +32,8 @@ from helpers import (
 
 pytestmark = [pytest.mark.tf, pytest.mark.servers]
 
+# Queries that return data only where the scenario has it: stragglers (test_step_time_per_worker_...).
+NEEDS_A_STRAGGLER = {"panel 'Step time per worker' C"}
 SUBSTITUTIONS = {"$instance": ".*", "$gpu": ".*", "$training_job": ".*", "$__rate_interval": "1m"}
 
 
@@ -86,7 +91,7 @@ def test_every_dashboard_query_parses_and_returns_data(tmp_path):
                 status, body = http("GET", url)
                 if status != 200 or body.get("status") != "success":
                     found.append(f"{name}: does not parse: {body}")
-                elif not body["data"]["result"]:
+                elif not body["data"]["result"] and name not in NEEDS_A_STRAGGLER:
                     found.append(f"{name}: no data for {substitute(expr)}")
             return found
 
@@ -102,3 +107,80 @@ def test_every_dashboard_query_parses_and_returns_data(tmp_path):
             prometheus.stop()
         agent.stop()
         kubelet.__exit__()
+
+
+def prometheus_query(port: int, expr: str) -> list[dict]:
+    status, body = http("GET", f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+    assert status == 200 and body.get("status") == "success", (expr, body)
+    return body["data"]["result"]
+
+
+class Worker:
+    """One worker of a job reporting through the real hook (a Reporter) steps of ``seconds`` each."""
+
+    def __init__(self, agent: AgentProcess, job: str, worker: str, seconds: float):
+        self.reporter = Reporter(job=job, worker=worker, profiler=False, addr=f"127.0.0.1:{agent.hook_port}",
+                                 interval=0.2)
+        self.reporter.phase = "train"
+        self.reporter.start()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._steps, args=(seconds,), daemon=True)
+        self.thread.start()
+
+    def _steps(self, seconds: float) -> None:
+        while not self.stop.wait(0.05):
+            self.reporter.record(5, 5 * 32, 5 * seconds)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.reporter.close()
+
+
+def test_step_time_per_worker_marks_the_straggler_and_the_alert_names_its_host(tmp_path):
+    """A job of three workers on two hosts (agents), worker-1 twice as slow as the others, and a slow job of
+    one worker: the panel draws every worker, marks worker-1 alone, and the shipped rules put a
+    TfprofdStraggler alert on worker-1's host (pending: it fires after 5 minutes)."""
+    board = json.loads((ROOT / "dashboards" / "tfprofd.json").read_text())
+    panel = next(p for p in board["panels"] if p["title"] == "Step time per worker")
+    expr = {t["refId"]: substitute(t["expr"]) for t in panel["targets"]}
+    hosts = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        hosts.append(AgentProcess(tmp_path / name).start())
+    workers, prometheus = [], None
+    try:
+        workers = [Worker(hosts[0], "ring", "worker-0", 0.05), Worker(hosts[1], "ring", "worker-1", 0.1),
+                   Worker(hosts[0], "ring", "worker-2", 0.05), Worker(hosts[1], "solo", "worker-0", 0.4)]
+        prometheus, port = start_prometheus(tmp_path, [h.port for h in hosts],
+                                            rule_files=[ROOT / "prometheus" / "tfprofd-alerts.yaml"])
+        straggler_host = f"127.0.0.1:{hosts[1].port}"
+
+        def drawn() -> set[tuple[str, str, str]]:
+            return {(r["metric"]["training_job"], r["metric"]["worker"], r["metric"]["instance"])
+                    for r in prometheus_query(port, expr["A"])}
+
+        wait_for(lambda: len(drawn()) == 4, 60, 0.5, message="every worker's step time in the panel")
+        assert drawn() == {("ring", "worker-0", f"127.0.0.1:{hosts[0].port}"), ("ring", "worker-1", straggler_host),
+                           ("ring", "worker-2", f"127.0.0.1:{hosts[0].port}"), ("solo", "worker-0", straggler_host)}
+        medians = {r["metric"]["training_job"]: float(r["value"][1]) for r in prometheus_query(port, expr["B"])}
+        assert medians == {"ring": pytest.approx(0.05), "solo": pytest.approx(0.4)}
+        marked = prometheus_query(port, expr["C"])
+        assert [(r["metric"]["training_job"], r["metric"]["worker"], r["metric"]["instance"]) for r in marked] == \
+            [("ring", "worker-1", straggler_host)]
+        assert float(marked[0]["value"][1]) == pytest.approx(0.1)
+
+        def alerts() -> list[dict[str, str]]:
+            return [r["metric"] for r in prometheus_query(port, 'ALERTS{alertname="TfprofdStraggler"}')]
+
+        wait_for(lambda: alerts(), 30, 0.5, message="the straggler alert (pending)")
+        assert alerts() == [{"__name__": "ALERTS", "alertname": "TfprofdStraggler", "alertstate": "pending",
+                             "severity": "warning", "job": "tfprofd", "instance": straggler_host,
+                             "training_job": "ring", "worker": "worker-1"}]
+    finally:
+        for worker in workers:
+            worker.close()
+        if prometheus:
+            prometheus.stop()
+        for host in hosts:
+            host.stop()

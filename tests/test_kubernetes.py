@@ -26,12 +26,56 @@ def test_parse_keeps_gpu_and_mig_devices_only():
     c.devices.add(resource_name="example.com/fpga", device_ids=["fpga0"])
     c.devices.add(resource_name="nvidia.com/mig-1g.10gb", device_ids=[MIG])
     response.pod_resources.add(name="web", namespace="default").containers.add(name="nginx")
-    devices = parse_pod_resources(response, KubernetesSettings().resources)
+    devices = parse_pod_resources(response, KubernetesSettings())
     assert devices == (
         PodDevice(GPU0, "nvidia.com/gpu", "ml", "bert-0", "trainer"),
         PodDevice(GPU1, "nvidia.com/gpu", "ml", "bert-0", "trainer"),
         PodDevice(MIG, "nvidia.com/mig-1g.10gb", "ml", "bert-0", "trainer"),
     )
+
+
+CLAIM = "0f6e4b1c-2d3a-4e5f-8a9b-0c1d2e3f4a5b"  # a ResourceClaim's UID, in the NVIDIA DRA driver's CDI names
+
+
+def test_parse_reads_the_gpus_dra_allocated_in_every_naming_the_drivers_use():
+    response = pb.ListPodResourcesResponse()
+    c = response.pod_resources.add(name="bert-0", namespace="ml").containers.add(name="trainer")
+
+    def dra(driver: str, device: str, *cdi: str) -> None:
+        c.dynamic_resources.add(claim_name="gpus", claim_namespace="ml").claim_resources.add(
+            driver_name=driver, pool_name="node-1", device_name=device, cdi_devices=[pb.CDIDevice(name=n) for n in cdi])
+
+    # The NVIDIA DRA driver: devices named by the GPU's minor number, CDI names of its own.
+    dra("gpu.nvidia.com", "gpu-3", f"k8s.gpu.nvidia.com/claim={CLAIM}-gpu-3")
+    dra("gpu.nvidia.com", "gpu-2-mig-1g10gb-19-0", f"k8s.gpu.nvidia.com/claim={CLAIM}-gpu-2-mig-1g10gb-19-0")
+    dra("", "", f"k8s.gpu.nvidia.com/claim={CLAIM}-gpu-7")  # a kubelet that sends no driver or device name
+    dra("", "", "k8s.gpu.nvidia.com/device=gpu-6")  # the driver's older per-device CDI name
+    # Drivers handing out nvidia-ctk's CDI devices: by UUID, MIG UUID, index, MIG index, type-index.
+    dra("gpu.example.com", "dev-a", f"nvidia.com/gpu={GPU0}")
+    dra("gpu.example.com", "dev-b", f"nvidia.com/gpu={MIG}")
+    dra("gpu.example.com", "dev-c", "nvidia.com/gpu=1", "nvidia.com/gpu=mig4:2")
+    dra("gpu.example.com", "dev-d", "nvidia.com/gpu=gpu5")
+    dra("gpu.example.com", "dev-e", "nvidia.com/gpu=all")  # no single GPU: reported, not attributed
+    dra("net.example.com", "eth1", "example.com/net=eth1")  # not a GPU
+    dra("gpu.example.com", "gpu-9", "vendor.example.com/accel=gpu-9")  # gpu-<n> from a driver not named
+    unknown: set[str] = set()
+    devices = parse_pod_resources(response, KubernetesSettings(), unknown)
+    pod = ("ml", "bert-0", "trainer")
+    assert devices == (
+        PodDevice("1", "gpu.example.com", *pod),
+        PodDevice("4", "gpu.example.com", *pod, mig=True),
+        PodDevice("5", "gpu.example.com", *pod),
+        PodDevice(GPU0, "gpu.example.com", *pod),
+        PodDevice(MIG, "gpu.example.com", *pod, mig=True),
+        PodDevice("gpu-2-mig-1g10gb-19-0", "gpu.nvidia.com", *pod, minor=2, mig=True),
+        PodDevice("gpu-3", "gpu.nvidia.com", *pod, minor=3),
+        PodDevice("gpu-6", "gpu.nvidia.com", *pod, minor=6),
+        PodDevice("gpu-7", "gpu.nvidia.com", *pod, minor=7),
+    )
+    assert unknown == {"nvidia.com/gpu=all"}
+    # dra_drivers names which drivers' gpu-<n> devices are GPUs.
+    assert [d.device_id for d in parse_pod_resources(response, KubernetesSettings(dra_drivers=re.compile("^$")))
+            if d.minor is not None] == []
 
 
 def kubernetes_args(socket_path, timeout: str = "1s") -> list[str]:
@@ -73,6 +117,50 @@ def test_gpus_and_training_jobs_are_labelled_with_their_pods(agents, tmp_path, f
     assert metric_value(text, "tfprofd_kubernetes_pod_devices", resource="nvidia.com/gpu") == 2
     assert metric_value(text, "tfprofd_kubernetes_pod_devices", resource="nvidia.com/mig-1g.10gb") == 1
     assert "cpu" not in {m for m in re.findall(r'resource="([^"]+)"', text)}
+
+
+def test_gpus_that_dra_allocated_label_their_pods_and_jobs(agents, tmp_path, fakenvml):
+    # The minor numbers (/dev/nvidiaN) are not the NVML indexes here: GPU 0 is nvidia1 and GPU 1 nvidia0.
+    state = GpuState(tmp_path / "nvml.json", [gpu(0, minor_number=1), gpu(1, minor_number=0)])
+    socket_path = tmp_path / "kubelet.sock"
+    pods = {"bert-0": ("ml", {"trainer": {}}), "notebook": ("research", {"jupyter": {}}),
+            "small": ("research", {"infer": {}}), "shell": ("research", {"sh": {}})}
+    claims = {("bert-0", "trainer"): [("bert-0-gpu", "gpu.nvidia.com", "node-1", "gpu-1",
+                                       [f"k8s.gpu.nvidia.com/claim={CLAIM}-gpu-1"])],
+              ("notebook", "jupyter"): [("nb-gpu", "gpu.example.com", "node-1", "dev-a", [f"nvidia.com/gpu={GPU1}"])],
+              ("small", "infer"): [("small-mig", "gpu.nvidia.com", "node-1", "gpu-0-mig-1g10gb-19-0",
+                                    [f"k8s.gpu.nvidia.com/claim={CLAIM}-gpu-0-mig-1g10gb-19-0"])],
+              ("shell", "sh"): [("all-gpus", "gpu.example.com", "node-1", "dev-all", ["nvidia.com/gpu=all"])]}
+    with FakeKubelet(socket_path, pods, claims):
+        agent = agents(args=kubernetes_args(socket_path), env=state.env(), fixtures=False)  # real /proc: our pid
+        state.update_gpu(0, processes=[{"pid": os.getpid(), "used_memory_bytes": 2**30}])
+        reporter = Reporter(job="bert", worker="0", profiler=False, addr=f"unix:{agent.hook_socket}")
+        try:
+            with reporter.step(batch_size=8):
+                pass
+            reporter.flush()
+
+            def labelled():
+                text = agent.scrape()
+                return text if metric_value(text, "tfprofd_training_pod_info", training_job="bert") == 1 else None
+
+            text = wait_for(labelled, 30, message="the training job's pod")
+        finally:
+            reporter.close()
+    # gpu-1 is minor 1: NVML's GPU 0, where the job trains.
+    assert metric_value(text, "tfprofd_gpu_pod_info", gpu="0", uuid=GPU0, namespace="ml", pod="bert-0",
+                        container="trainer") == 1
+    assert metric_value(text, "tfprofd_training_pod_info", training_job="bert", worker="0", namespace="ml",
+                        pod="bert-0", container="trainer") == 1
+    assert metric_value(text, "tfprofd_gpu_pod_info", gpu="1", uuid=GPU1, namespace="research", pod="notebook",
+                        container="jupyter") == 1
+    # A MIG device of minor 0 (GPU 1): its GPU's index, not the GPU's UUID (the pod holds a part of it).
+    assert metric_value(text, "tfprofd_gpu_pod_info", gpu="1", uuid="", namespace="research", pod="small",
+                        container="infer") == 1
+    assert metric_value(text, "tfprofd_kubernetes_pod_devices", resource="gpu.nvidia.com") == 2
+    assert metric_value(text, "tfprofd_kubernetes_pod_devices", resource="gpu.example.com") == 1
+    assert 'pod="shell"' not in text
+    assert "CDI device nvidia.com/gpu=all names no single GPU" in agent.log()
 
 
 def test_a_missing_or_slow_kubelet_fails_its_collector_alone(agents, tmp_path, fakenvml):

@@ -370,6 +370,9 @@ DEVICE_GETTER(nvmlDeviceGetName(void *device, char *name, unsigned length), NULL
         copy_str(name, length, str_or(gpu, "name", "NVIDIA H100 80GB HBM3"));
     }
 })
+/* The /dev/nvidiaN number: "minor_number", else the GPU's index (as on most hosts, not all). */
+DEVICE_GETTER(nvmlDeviceGetMinorNumber(void *device, unsigned *minor), "minor_number",
+              *minor = (unsigned)num_or(gpu, "minor_number", handle_index(device)))
 DEVICE_GETTER(nvmlDeviceGetUUID(void *device, char *uuid, unsigned length), NULL,
               copy_str(uuid, length, str_or(gpu, "uuid", "GPU-00000000-0000-0000-0000-000000000000")))
 
