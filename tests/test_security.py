@@ -22,7 +22,7 @@ import pytest
 from tfprofd.daemon.records import remove_tree
 from tfprofd.exporter.hook import Reporter
 
-from helpers import AgentProcess, free_port, http, metric_value, wait_for
+from helpers import AgentProcess, http, metric_value, wait_for
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
@@ -89,12 +89,78 @@ def test_a_local_user_cannot_speak_for_another_process_or_steer_a_capture(shared
 
 def test_a_udp_report_may_only_name_its_senders_own_profiler(agents):
     agent = agents()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s, socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
         s.sendto(report(4242, profiler="10.1.2.3:6009"), ("127.0.0.1", agent.hook_port))
-        s.sendto(report(4243, job="fine", profiler="localhost:6009"), ("127.0.0.1", agent.hook_port))
-    wait_for(lambda: rejected(agent, "untrusted_profiler") == 1, 10, message="the foreign profiler to be rejected")
-    text = agent.scrape()
-    assert metric_value(text, "tfprofd_training_info", training_job="fine", profiler_address="localhost:6009") == 1
+        s.sendto(report(4243, job="fine", profiler=f"localhost:{port}"), ("127.0.0.1", agent.hook_port))
+        wait_for(lambda: rejected(agent, "untrusted_profiler") == 1, 10, message="the foreign profiler to be rejected")
+        wait_for(lambda: metric_value(agent.scrape(), "tfprofd_training_info", training_job="fine",
+                                      profiler_address=f"127.0.0.1:{port}") == 1, 10, message="the sender's own port")
+
+
+def test_a_local_user_cannot_claim_roots_pid_or_profiler_over_udp(agents, gpus):
+    """A forged UDP report from uid 65534 naming a root process and root's profiler port is refused; the same
+    user's honest report (its own pid, its own port) is accepted and joined to its GPU."""
+    agent = agents(env=gpus.env())
+    with socket.socket() as root_server:  # root's profiler server, and root's GPU process (this test)
+        root_server.bind(("127.0.0.1", 0))
+        root_server.listen()
+        root_port = root_server.getsockname()[1]
+        gpus.update_gpu(0, processes=[{"pid": os.getpid(), "used_memory_bytes": 2**30}])
+        attacker = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import json, os, socket, sys
+            from tfprofd.exporter.hook import Reporter
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            own = socket.socket()
+            own.bind(("127.0.0.1", 0))
+            own.listen()
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            def send(job, **fields):
+                r = Reporter(job=job, worker="0", profiler=False, addr="127.0.0.1:9").report()
+                r.update(fields)
+                s.sendto(json.dumps(r).encode(), ("127.0.0.1", {agent.hook_port}))
+            send("forged", pid={os.getpid()}, profiler="127.0.0.1:{root_port}")  # root's pid and port
+            send("forged-pid", pid={os.getpid()})  # root's pid alone
+            send("forged-port", pid=os.getpid(), profiler="127.0.0.1:{root_port}")  # root's port alone
+            send("honest", pid=os.getpid(), profiler=f"127.0.0.1:{{own.getsockname()[1]}}")
+            print(os.getpid(), flush=True)
+            sys.stdin.readline()  # the sockets stay open until the test has looked
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+        try:
+            attacker_pid = int(attacker.stdout.readline())
+            gpus.update_gpu(1, processes=[{"pid": attacker_pid, "used_memory_bytes": 2**30}])
+            wait_for(lambda: rejected(agent, "pid_mismatch") == 2 and rejected(agent, "untrusted_profiler") == 1, 20,
+                     message="the three forged reports to be refused")
+            wait_for(lambda: metric_value(agent.scrape(), "tfprofd_gpu_job_info", gpu="1", training_job="honest"), 20,
+                     message="the honest report joined to its GPU")
+            text = agent.scrape()
+            for job in ("forged", "forged-pid", "forged-port"):
+                assert metric_value(text, "tfprofd_training_up", training_job=job) is None
+            assert metric_value(text, "tfprofd_gpu_job_info", gpu="0") is None  # nothing joins root's GPU
+            assert metric_value(text, "tfprofd_training_info", training_job="honest",
+                                profiler_address=f"127.0.0.1:{root_port}") is None
+            assert agent.call("POST", "/captures", {"job": "forged"})[0] == 404
+            assert agent.call("POST", "/captures", {"job": "forged-port"})[0] == 404
+            assert "refused: pid" in agent.log() and "(uid 65534)" in agent.log()
+        finally:
+            attacker.communicate("\n", timeout=10)
+
+
+def test_a_loopback_report_from_no_socket_of_this_host_is_refused():
+    from tfprofd.exporter.training import Rejected, identify_udp_sender
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert identify_udp_sender("127.0.0.1", port).uid == os.geteuid()
+    with pytest.raises(Rejected) as info:  # closed: nobody can be vouched for
+        identify_udp_sender("127.0.0.1", port)
+    assert info.value.reason == "unverified_sender"
+    assert identify_udp_sender("192.0.2.7", port).uid is None  # a remote peer (a pod): its address only
 
 
 @pytest.mark.parametrize("profiler", ["127.0.0.1:0", "127.0.0.1:65536", "127.0.0.1:-1", "bad host!:80", "[::1:80",
@@ -181,10 +247,12 @@ def test_what_retention_cannot_delete_is_reported_not_hidden(shared_dir):
 
 def test_no_directory_the_agent_makes_is_world_writable_and_records_are_private(agents, tmp_path):
     agent = agents(args=["--captures.mode", "server"])
-    closed = free_port()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.sendto(report(77, job="j", profiler=f"127.0.0.1:{closed}"), ("127.0.0.1", agent.hook_port))
-    wait_for(lambda: metric_value(agent.scrape(), "tfprofd_training_up", training_job="j") == 1, 10, message="job j")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s, socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()  # the sender's own port when it reports; closed when the capture comes
+        s.sendto(report(77, job="j", profiler=f"127.0.0.1:{server.getsockname()[1]}"), ("127.0.0.1", agent.hook_port))
+        wait_for(lambda: metric_value(agent.scrape(), "tfprofd_training_up", training_job="j") == 1, 10,
+                 message="job j")
     status, answer = agent.call("POST", "/captures", {"job": "j"})
     assert status == 202, answer
     wait_for(lambda: agent.call("GET", f"/captures/{answer['id']}")[1]["status"] == "failed", 30, message="the capture")
