@@ -21,7 +21,7 @@ from test_config import HOSTILE
 
 from tfprofd.exporter.hook import Reporter
 
-from helpers import AgentProcess, GpuState, free_port, gpu, http, metric_value, wait_for
+from helpers import AgentProcess, GpuState, free_port, gpu, http, metric_value, reports_socket, wait_for
 
 
 def run_agent(tmp_path, *args: str, timeout: float = 10) -> tuple[subprocess.CompletedProcess, float]:
@@ -257,7 +257,7 @@ def _report(agent: AgentProcess, **fields) -> None:
     reporter = Reporter(job=fields.pop("job"), worker="0", profiler=False, addr=f"127.0.0.1:{agent.hook_port}")
     report = reporter.report()
     report.update(fields)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with reports_socket() as s:
         s.sendto(json.dumps(report).encode(), ("127.0.0.1", agent.hook_port))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import socket
 import stat
 import subprocess
@@ -19,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tfprofd.daemon.records import remove_tree
+from tfprofd.daemon.statedir import StateDir
 from tfprofd.exporter.hook import Reporter
 
-from helpers import AgentProcess, http, metric_value, wait_for
+from helpers import FIXTURES, AgentProcess, http, metric_value, reports_socket, wait_for
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
@@ -150,17 +151,17 @@ def test_a_local_user_cannot_claim_roots_pid_or_profiler_over_udp(agents, gpus):
             attacker.communicate("\n", timeout=10)
 
 
-def test_a_loopback_report_from_no_socket_of_this_host_is_refused():
+def test_a_loopback_report_from_no_socket_of_this_host_is_refused(tmp_path):
     from tfprofd.exporter.training import Rejected, identify_udp_sender
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        assert identify_udp_sender("127.0.0.1", port).uid == os.geteuid()
-    with pytest.raises(Rejected) as info:  # closed: nobody can be vouched for
-        identify_udp_sender("127.0.0.1", port)
+    (tmp_path / "self").mkdir()
+    shutil.copytree(FIXTURES / "proc" / "net", tmp_path / "self" / "net")  # root: 127.0.0.1:41000, nobody: *:38272
+    assert identify_udp_sender("127.0.0.1", 41000, tmp_path).uid == 0
+    assert identify_udp_sender("127.0.0.1", 38272, tmp_path).uid == 65534
+    with pytest.raises(Rejected) as info:  # no socket of this host sends from there: nobody vouches for it
+        identify_udp_sender("127.0.0.1", 41005, tmp_path)
     assert info.value.reason == "unverified_sender"
-    assert identify_udp_sender("192.0.2.7", port).uid is None  # a remote peer (a pod): its address only
+    assert identify_udp_sender("192.0.2.7", 41005, tmp_path).uid is None  # a remote peer (a pod): its address only
 
 
 @pytest.mark.parametrize("profiler", ["127.0.0.1:0", "127.0.0.1:65536", "127.0.0.1:-1", "bad host!:80", "[::1:80",
@@ -175,7 +176,7 @@ def test_invalid_profiler_addresses_are_rejected(profiler):
 
 def test_deep_nesting_and_garbage_never_kill_the_listener(agents):
     agent = agents()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with reports_socket() as s:
         for payload in (b"[" * 2000, b"{" * 5000, b'{"v":' * 1000, b"\x00" * 100, b"[1" + b",[1" * 1500):
             s.sendto(payload, ("127.0.0.1", agent.hook_port))
         s.sendto(report(7, job="after"), ("127.0.0.1", agent.hook_port))
@@ -189,7 +190,7 @@ def test_histogram_counts_going_backwards_are_rejected(agents):
     agent = agents()
     first = json.loads(report(9, seq=1, step_seconds={"count": 10, "sum": 1.0, "buckets": [0] * 9 + [10] * 6}))
     second = {**first, "seq": 2, "step_seconds": {"count": 10, "sum": 0.5, "buckets": [0] * 9 + [10] * 6}}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with reports_socket() as s:
         for r in (first, second):
             s.sendto(json.dumps(r).encode(), ("127.0.0.1", agent.hook_port))
     wait_for(lambda: rejected(agent, "counter_decreased") == 1, 10, message="the decreasing sum to be rejected")
@@ -197,7 +198,7 @@ def test_histogram_counts_going_backwards_are_rejected(agents):
 
 def test_a_flood_of_job_names_is_bounded_by_max_jobs(agents):
     agent = agents(args=["--hook.max-jobs", "200"])
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with reports_socket() as s:
         for i in range(1500):
             s.sendto(report(1000 + i, job=f"flood-{i}"), ("127.0.0.1", agent.hook_port))
             if i % 100 == 0:
@@ -215,34 +216,142 @@ def test_retention_never_follows_a_link_and_counts_what_it_freed(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "precious").write_bytes(b"x" * 1000)
+    state = StateDir(tmp_path)
+    state.ensure_dir("captures", 0o750)
     capture = tmp_path / "captures" / "20261121T101010Z-abcdef"
     (capture / "plugins").mkdir(parents=True)
     (capture / "plugins" / "trace.xplane.pb").write_bytes(b"y" * 500)
     (capture / "link-to-outside").symlink_to(outside)
     (capture / "plugins" / "file-link").symlink_to(outside / "precious")
     os.link(outside / "precious", capture / "hardlink")  # deleting it frees nothing
-    freed, left = remove_tree(capture)
+    freed, left = state.remove_tree("captures", capture.name)
     assert (freed, left) == (500, [])
     assert (outside / "precious").read_bytes() == b"x" * 1000 and not capture.exists()
 
 
 def test_what_retention_cannot_delete_is_reported_not_hidden(shared_dir):
-    capture = shared_dir / "capture"
+    capture = shared_dir / "state" / "captures" / "capture"
     (capture / "theirs").mkdir(parents=True)
     (capture / "mine").write_bytes(b"z" * 300)
     (capture / "theirs" / "trace").write_bytes(b"w" * 700)  # a training user's file, in a directory of theirs
-    subprocess.run(["chown", "-R", "65534:65534", str(capture)], check=True)
+    subprocess.run(["chown", "-R", "65534:65534", str(shared_dir / "state")], check=True)
     (capture / "theirs").chmod(0o755)
     os.chown(capture / "theirs", 0, 0)  # owned by another user than the deleting agent (here nobody)
     result = as_nobody(f"""
         import json
-        import json
         from pathlib import Path
-        from tfprofd.daemon.records import remove_tree
-        print(json.dumps(remove_tree(Path("{capture}"))))
+        from tfprofd.daemon.statedir import StateDir
+        print(json.dumps(StateDir(Path("{shared_dir / "state"}")).remove_tree("captures", "capture")))
     """)
     freed, left = json.loads(result.stdout)
     assert freed == 300 and any("theirs/trace" in problem and "Permission denied" in problem for problem in left)
+
+
+def test_a_group_member_who_swaps_captures_for_a_link_redirects_nothing(shared_dir):
+    """The chart's 2770 state directory: a member of its group renames captures/ and links it to a victim's
+    directory; the next capture is refused (507, logged, counted) and nothing is written or deleted there."""
+    agent = AgentProcess(shared_dir, args=["--captures.keep", "1", "--captures.max-per-hour", "100"])
+    agent.start()
+    try:
+        state = shared_dir / "state"
+
+        def capture(job: str) -> tuple[int, dict]:
+            with reports_socket() as s, socket.socket() as server:
+                server.bind(("127.0.0.1", 0))
+                server.listen()  # the job's own port when it reports; closed when the capture comes: it fails
+                s.sendto(report(os.getpid(), job=job, profiler=f"127.0.0.1:{server.getsockname()[1]}"),
+                         ("127.0.0.1", agent.hook_port))
+                wait_for(lambda: metric_value(agent.scrape(), "tfprofd_training_up", training_job=job) == 1, 10,
+                         message=f"job {job}")
+            return agent.call("POST", "/captures", {"job": job})
+
+        status, first = capture("one")
+        assert status == 202, first
+        wait_for(lambda: agent.call("GET", f"/captures/{first['id']}")[1]["status"] == "failed", 30,
+                 message="the first capture to end")
+        victim = shared_dir / "victim"
+        (victim / first["id"]).mkdir(parents=True)
+        (victim / first["id"] / "important.db").write_bytes(b"v" * 100)
+        os.chown(state, 0, 65534)
+        state.chmod(0o2770)  # the chart's state directory; nobody is in its group
+        swap = subprocess.run([*NOBODY[:-1], "--groups=65534", "sh", "-c",
+                               f"mv {state}/captures {state}/captures.old && ln -s {victim} {state}/captures"],
+                              capture_output=True, text=True)
+        assert swap.returncode == 0, swap.stderr
+        status, answer = capture("two")
+        assert status == 507 and "refusing to follow" in answer["error"], answer
+        assert sorted(p.name for p in victim.rglob("*")) == [first["id"], "important.db"]
+        assert (victim / first["id"] / "important.db").read_bytes() == b"v" * 100
+        wait_for(lambda: (metric_value(agent.scrape(), "tfprofd_state_dir_refused_total", kind="directory") or 0) >= 1,
+                 10, message="the refusal counted")
+        assert f"{state}/captures is a symbolic link or not a directory; refusing to follow it" in agent.log()
+    finally:
+        agent.stop()
+
+
+def _store_with_a_record(state: Path):
+    from tfprofd.daemon.records import CaptureRecord, RecordStore
+
+    store = RecordStore(state)
+    record = CaptureRecord(id="20261121T101010Z-abcdef", trigger="manual", job="j", targets=[], requested_at=1.0,
+                           duration_ms=1000, mode="agent", status="done")
+    store.create_capture_dir(record.id, 0o750)
+    (state / "captures" / record.id / "trace.pb").write_bytes(b"t" * 10)
+    store.save(record)
+    return store, record
+
+
+def test_retention_refuses_a_capture_directory_swapped_for_a_link(tmp_path):
+    state, victim = tmp_path / "state", tmp_path / "victim"
+    state.mkdir()
+    store, record = _store_with_a_record(state)
+    (victim / record.id).mkdir(parents=True)
+    (victim / record.id / "important.db").write_bytes(b"v" * 100)
+    shutil.rmtree(state / "captures" / record.id)
+    (state / "captures" / record.id).symlink_to(victim / record.id)
+    assert store.delete(record) == 0
+    assert (victim / record.id / "important.db").read_bytes() == b"v" * 100
+    assert (state / "records" / f"{record.id}.json").exists()  # left with its directory, for a person to see
+    assert store.state.refused["capture"] == 1
+    assert store.capture_bytes(record.id) == 0  # nor are its bytes counted
+
+
+def test_records_swapped_for_another_directory_or_a_link_are_refused(tmp_path, caplog):
+    from tfprofd.daemon.statedir import StateDirSwapped
+
+    state, victim = tmp_path / "state", tmp_path / "victim"
+    state.mkdir()
+    victim.mkdir()
+    (victim / "important.db").write_bytes(b"v")
+    store, record = _store_with_a_record(state)
+    os.rename(state / "records", state / "records.old")
+    (state / "records").mkdir(mode=0o700)  # the agent's own user, but not the directory the agent made
+    with pytest.raises(StateDirSwapped):
+        store.save(record)
+    os.rmdir(state / "records")
+    (state / "records").symlink_to(victim)
+    with pytest.raises(StateDirSwapped):
+        store.save(record)
+    with pytest.raises(StateDirSwapped):
+        list(store.load())
+    assert sorted(p.name for p in victim.iterdir()) == ["important.db"]
+    assert store.state.refused["directory"] == 3
+    assert "is not the directory the agent made there" in caplog.text
+
+
+def test_a_record_file_swapped_for_a_link_is_set_aside_not_followed(tmp_path):
+    state, victim = tmp_path / "state", tmp_path / "victim.json"
+    state.mkdir()
+    store, record = _store_with_a_record(state)
+    victim.write_text('{"id": "20261121T101010Z-abcdef"}')
+    path = state / "records" / f"{record.id}.json"
+    path.unlink()
+    path.symlink_to(victim)
+    assert list(store.load()) == []
+    assert victim.read_text() == '{"id": "20261121T101010Z-abcdef"}'
+    assert [p.name.startswith(f"{record.id}.json.bad-") for p in (state / "records").iterdir()] == [True]
+    store.save(record)  # a new record file takes the link's place; the victim is not written
+    assert victim.read_text() == '{"id": "20261121T101010Z-abcdef"}' and not path.is_symlink()
 
 
 def test_no_directory_the_agent_makes_is_world_writable_and_records_are_private(agents, tmp_path):
