@@ -314,6 +314,12 @@ def test_retention_refuses_a_capture_directory_swapped_for_a_link(tmp_path):
     assert (state / "records" / f"{record.id}.json").exists()  # left with its directory, for a person to see
     assert store.state.refused["capture"] == 1
     assert store.capture_bytes(record.id) == 0  # nor are its bytes counted
+    os.unlink(state / "captures" / record.id)
+    os.rename(state / "captures", state / "captures.old")
+    (state / "captures").symlink_to(victim)  # the whole captures/ swapped: retention must not delete through it
+    assert store.delete(record) == 0
+    assert (victim / record.id / "important.db").read_bytes() == b"v" * 100
+    assert store.state.refused["directory"] == 1
 
 
 def test_records_swapped_for_another_directory_or_a_link_are_refused(tmp_path, caplog):
@@ -349,6 +355,7 @@ def test_a_record_file_swapped_for_a_link_is_set_aside_not_followed(tmp_path):
     path.symlink_to(victim)
     assert list(store.load()) == []
     assert victim.read_text() == '{"id": "20261121T101010Z-abcdef"}'
+    assert store.state.refused["file"] == 1  # counted, not only set aside
     assert [p.name.startswith(f"{record.id}.json.bad-") for p in (state / "records").iterdir()] == [True]
     store.save(record)  # a new record file takes the link's place; the victim is not written
     assert victim.read_text() == '{"id": "20261121T101010Z-abcdef"}' and not path.is_symlink()
