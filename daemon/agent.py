@@ -84,7 +84,8 @@ class Agent:
         self.baselines = Baselines(lambda: self.cfg.captures, self.captures, self.jobs, self.engine, self.env.clock)
         metrics, api = Router(), Router()
         self.endpoints = Endpoints(metrics, __version__, lambda: self.runners, self._live, lambda: self.servers,
-                                   self._stopping.is_set, lambda: self.cfg.core.interval)
+                                   self._stopping.is_set, lambda: self.cfg.core.interval,
+                                   lambda: store.state.last_refusal)
         forwarder = AlertForwarder(lambda: self.cfg.alerts, lambda: self.servers[1].address[1], token.current,
                                    lambda: self.cfg.alerts.host_value or socket.gethostname())
         ControlApi(api, self.captures, policy, lambda labels: alert_is_for_host(

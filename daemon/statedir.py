@@ -46,6 +46,7 @@ class StateDir:
         self._known: dict[str, tuple[int, int]] = {}  # directory name -> (device, inode) when first opened
         self._lock = threading.Lock()
         self.refused = dict.fromkeys(REFUSED_KINDS, 0)
+        self.last_refusal: str | None = None  # shown in /healthz
 
     def close(self) -> None:
         os.close(self._fd)
@@ -55,6 +56,7 @@ class StateDir:
             self.refused[kind] += 1
         message = f"{self.path / what} {why}; refusing to follow it (another user may have swapped it)"
         log.error("%s", message)
+        self.last_refusal = message
         return StateDirSwapped(errno.EPERM, message)
 
     # ---- directories ----

@@ -1,9 +1,12 @@
 """Training collector: receives the hook's reports, validates them, and exports throughput per job.
 
 Reports arrive on a Unix datagram socket (a host's training processes; the kernel tells the sender's
-pid, which the report must carry) and, where configured, over UDP (pods sending to the node IP; the
-profiler address must then be the sender's own). Nothing a sender writes can make the agent profile
-another process than the sender.
+pid, which the report must carry) and, where configured, over UDP. A UDP datagram from a socket of this
+host (loopback, or an address of the host: the socket is in the agent's network namespace) is as good
+as its socket's owner in /proc/net/udp: its pid must be that uid's process and its profiler port one that
+uid listens on. From a pod (another namespace) only the source address is known: the profiler must be
+on it, and its pid, which means nothing here, is never joined to NVML's. Nothing a sender writes can make
+the agent profile another process than the sender.
 
 Series are labelled ``training_job`` and ``worker`` (``job`` belongs to Prometheus' scrape target). The
 agent keeps state per reporting process and sums the processes of a (job, worker): two users' jobs of

@@ -285,6 +285,8 @@ def test_a_group_member_who_swaps_captures_for_a_link_redirects_nothing(shared_d
         wait_for(lambda: (metric_value(agent.scrape(), "tfprofd_state_dir_refused_total", kind="directory") or 0) >= 1,
                  10, message="the refusal counted")
         assert f"{state}/captures is a symbolic link or not a directory; refusing to follow it" in agent.log()
+        status, health = http("GET", agent.url + "/healthz")
+        assert status == 200 and "refusing to follow" in health["storage_problem"], health
     finally:
         agent.stop()
 
