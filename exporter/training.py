@@ -236,18 +236,24 @@ def _hex_address(text: str) -> Address:
     return address.ipv4_mapped or address
 
 
-def parse_proc_net(text: str) -> list[ProcSocket]:
-    """The sockets of a /proc/net/{tcp,tcp6,udp,udp6} text; lines that do not parse are skipped."""
+def parse_proc_net(text: str, port: int | None = None) -> list[ProcSocket]:
+    """The sockets of a /proc/net/{tcp,tcp6,udp,udp6} text (only those on ``port``, if given: a host may
+    have thousands); lines that do not parse are skipped."""
     sockets = []
+    needle = f":{port:04X} " if port is not None else ""
     for line in text.splitlines()[1:]:
+        if needle not in line:
+            continue
         parts = line.split()
         if len(parts) < 8:
             continue
         try:
-            host, _, port = parts[1].partition(":")
-            sockets.append(ProcSocket(_hex_address(host), int(port, 16), int(parts[3], 16), int(parts[7])))
+            host, _, port_text = parts[1].partition(":")
+            found = ProcSocket(_hex_address(host), int(port_text, 16), int(parts[3], 16), int(parts[7]))
         except ValueError:
             continue
+        if port is None or found.port == port:
+            sockets.append(found)
     return sockets
 
 
@@ -278,11 +284,11 @@ def pid_uids(status_text: str | None) -> set[int] | None:
     return None
 
 
-def _read_sockets(procfs: Path, *names: str) -> list[ProcSocket]:
+def _read_sockets(procfs: Path, port: int, *names: str) -> list[ProcSocket]:
     sockets = []
     for name in names:
         try:
-            sockets += parse_proc_net((procfs / name).read_text())
+            sockets += parse_proc_net((procfs / name).read_text(), port)
         except (OSError, UnicodeDecodeError):
             continue  # no IPv6 on this kernel, or no such namespace
     return sockets
@@ -307,7 +313,7 @@ def identify_udp_sender(address: str, port: int, own_proc: Path = OWN_PROC) -> S
     ip = _ip(address)
     if ip is None:
         raise Rejected("unverified_sender", f"source address {address!r} is not an IP address")
-    exact = [s for s in _read_sockets(own_proc, "self/net/udp", "self/net/udp6") if s.port == port]
+    exact = _read_sockets(own_proc, port, "self/net/udp", "self/net/udp6")
     uids = sender_uids(exact, ip, port)
     bound_here = any(s.address == ip for s in exact)
     if uids and (ip.is_loopback or bound_here or _is_own_address(ip)):
@@ -355,14 +361,14 @@ def check_profiler(report: Report, sender: Sender, env: Environment, own_proc: P
     if sender.local:
         if not _is_loopback(host):
             raise Rejected("untrusted_profiler", f"a local process reports a profiler on {host}, not loopback")
-        tcp = _read_sockets(env.paths.procfs, f"{sender.pid}/net/tcp", f"{sender.pid}/net/tcp6")
+        tcp = _read_sockets(env.paths.procfs, port, f"{sender.pid}/net/tcp", f"{sender.pid}/net/tcp6")
         target = ipaddress.IPv4Address("127.0.0.1")
     elif sender.uid is not None:
         peer = _ip(sender.address or "")
         if not _is_loopback(host) and _ip(host) != peer:
             raise Rejected("untrusted_profiler", f"profiler host {host} is neither loopback nor the sender's "
                                                  f"address {sender.address}")
-        tcp = _read_sockets(own_proc, "self/net/tcp", "self/net/tcp6")
+        tcp = _read_sockets(own_proc, port, "self/net/tcp", "self/net/tcp6")
         target = ipaddress.IPv4Address("127.0.0.1") if _is_loopback(host) else peer
     else:
         peer = _ip(sender.address or "")

@@ -127,6 +127,8 @@ def test_proc_net_udp_names_each_sending_sockets_owner():
     assert sender_uids(udp, ip_address("::1"), 41003) == {0}
     assert sender_uids(udp, loopback, 41003) == set()
     assert sender_uids(udp, loopback, 1) == set()
+    text = (FIXTURES / "proc" / "net" / "udp").read_text()
+    assert [(str(s.address), s.port, s.uid) for s in parse_proc_net(text, 41000)] == [("127.0.0.1", 41000, 0)]
 
 
 def test_proc_net_tcp_names_each_listening_ports_owner():
