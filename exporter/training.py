@@ -736,9 +736,9 @@ class TrainingCollector(Collector):
     # ---- sampling: processes that went away, jobs that expired ----
 
     def _pid_gone(self, process: ProcessState) -> bool:
-        if process.key[0] == "local":
-            return not (self.env.paths.procfs / str(process.latest.pid)).exists()
-        return process.pid_verified and not (OWN_PROC / str(process.latest.pid)).exists()
+        if process.key[0] != "local":
+            return False
+        return not (self.env.paths.procfs / str(process.latest.pid)).exists()
 
     def sample(self) -> bool:
         """Retire processes that exited or went quiet, forget jobs that stopped reporting long ago, and
