@@ -326,15 +326,18 @@ def identify_udp_sender(address: str, port: int, own_proc: Path = OWN_PROC) -> S
 
 
 def check_pid(report: Report, sender: Sender, own_proc: Path = OWN_PROC) -> bool:
-    """Whether a UDP report's pid is the sender's, in the agent's pid namespace (so NVML's pids may be joined
-    to it). A host sender's pid must not be another user's process (Rejected "pid_mismatch"); a pid that does
-    not exist here, or a remote sender's, means nothing and is not joined."""
+    """Whether a UDP report's pid is the sender's process in the agent's pid namespace (so NVML's pids may be
+    joined to it). From loopback, another user's pid is refused (Rejected "pid_mismatch"). From one of the
+    host's addresses it may be a hostNetwork pod's own pid (another pid namespace): it is just not joined.
+    A pid that does not exist here, or a remote sender's, means nothing and is not joined either."""
     if sender.uid is None:
         return False
     uids = pid_uids(_read_text(own_proc / str(report.pid) / "status"))
     if uids is None:
         return False
     if sender.uid not in uids:
+        if not _is_loopback(sender.address or ""):
+            return False
         raise Rejected("pid_mismatch", f"pid {report.pid} belongs to uid {min(uids)}, the sender is uid {sender.uid}")
     return True
 

@@ -164,6 +164,24 @@ def test_a_loopback_report_from_no_socket_of_this_host_is_refused(tmp_path):
     assert identify_udp_sender("192.0.2.7", 41005, tmp_path).uid is None  # a remote peer (a pod): its address only
 
 
+def test_a_hosts_udp_sender_joins_only_its_own_pid(tmp_path):
+    """From loopback another user's pid is refused; from a host address (a hostNetwork pod, whose pid is its
+    own namespace's) it is kept but never joined to NVML's pids."""
+    from tfprofd.exporter.training import Rejected, Sender, check_pid, parse_report
+
+    (tmp_path / "4242").mkdir()
+    (tmp_path / "4242" / "status").write_text("Name:\ttrain\nUid:\t0\t0\t0\t0\n")  # root's process
+    root_pid = parse_report(report(4242), 8192)
+    assert check_pid(root_pid, Sender(local=False, address="127.0.0.1", uid=0, port=1), tmp_path)
+    with pytest.raises(Rejected) as info:
+        check_pid(root_pid, Sender(local=False, address="127.0.0.1", uid=1000, port=1), tmp_path)
+    assert info.value.reason == "pid_mismatch"
+    assert not check_pid(root_pid, Sender(local=False, address="10.0.0.5", uid=1000, port=1), tmp_path)
+    assert not check_pid(parse_report(report(4343), 8192), Sender(local=False, address="127.0.0.1", uid=0, port=1),
+                         tmp_path)  # no such process here
+    assert not check_pid(root_pid, Sender(local=False, address="10.0.0.5"), tmp_path)  # a pod: means nothing
+
+
 @pytest.mark.parametrize("profiler", ["127.0.0.1:0", "127.0.0.1:65536", "127.0.0.1:-1", "bad host!:80", "[::1:80",
                                       "x" * 300 + ":80", "::1:80"])
 def test_invalid_profiler_addresses_are_rejected(profiler):
