@@ -63,14 +63,21 @@ def start_agent(tmp: Path, state: GpuState) -> tuple[subprocess.Popen, int, int,
 def detection(tmp: Path) -> list[float]:
     build_fakenvml()
     state = GpuState(tmp / "nvml.json", [gpu(0, processes=[{"pid": os.getpid(), "used_memory_bytes": 1}])])
-    agent, _, api_port, hook_port = start_agent(tmp, state)
-    # This process plays the training job (reports steps, lists its pid on GPU 0); no profiler listens at
-    # the address, so each capture fails fast with no_server, but its request time is what we measure.
+    agent, port, api_port, hook_port = start_agent(tmp, state)
+    # This process plays the training job (reports steps, lists its pid on GPU 0); its port listens while
+    # the agent checks that it is the job's own, then closes, so each capture fails fast with no_server,
+    # but its request time is what we measure.
     reporter = Reporter(job="detect", profiler=False, addr=f"127.0.0.1:{hook_port}", interval=0.5)
-    reporter.profiler_address = f"127.0.0.1:{free_port()}"
-    reporter.phase = "train"
-    reporter.record(1, 32, 0.01)
-    reporter.start()
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        reporter.profiler_address = f"127.0.0.1:{server.getsockname()[1]}"
+        reporter.phase = "train"
+        reporter.record(1, 32, 0.01)
+        reporter.start()
+        while f'profiler_address="{reporter.profiler_address}"' not in urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode():
+            time.sleep(0.1)
     latencies = []
     try:
         for _ in range(TRIALS):

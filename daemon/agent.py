@@ -61,6 +61,7 @@ class Agent:
         self.servers: list[HttpServer] = []
         self.loop = EventLoop()
         self.captures: CaptureService | None = None
+        self.store: RecordStore | None = None
         # Signals arrive as bytes on a socket pair (signal.set_wakeup_fd): the kernel may deliver one to any
         # thread, and only a write to a file descriptor wakes a main thread blocked waiting for it.
         self._signals, self._signal_writer = socket.socketpair()
@@ -77,13 +78,14 @@ class Agent:
         psutil.PROCFS_PATH = self.cfg.core.procfs_path
         state_dir = prepare_state_dir(Path(self.cfg.core.state_dir))
         token = Token.resolve(self.cfg.api.token, self.cfg.api.token_file, state_dir)
-        store = RecordStore(state_dir)
+        store = self.store = RecordStore(state_dir)
         policy = CapturePolicy(self.env.clock, state_dir / "alerts_seen.json")
         self.captures = CaptureService(lambda: self.cfg.captures, store, policy, self.jobs, self.env.clock)
         self.baselines = Baselines(lambda: self.cfg.captures, self.captures, self.jobs, self.engine, self.env.clock)
         metrics, api = Router(), Router()
         self.endpoints = Endpoints(metrics, __version__, lambda: self.runners, self._live, lambda: self.servers,
-                                   self._stopping.is_set, lambda: self.cfg.core.interval)
+                                   self._stopping.is_set, lambda: self.cfg.core.interval,
+                                   lambda: store.state.last_refusal)
         forwarder = AlertForwarder(lambda: self.cfg.alerts, lambda: self.servers[1].address[1], token.current,
                                    lambda: self.cfg.alerts.host_value or socket.gethostname())
         ControlApi(api, self.captures, policy, lambda labels: alert_is_for_host(
@@ -114,7 +116,8 @@ class Agent:
     def _live(self) -> list[Metric]:
         """Families computed at scrape time from the agent's state; a part that fails is left out, once logged."""
         out: list[Metric] = []
-        for name, source in (("rules", self.engine), ("captures", self.captures), ("jobs", self.jobs)):
+        for name, source in (("rules", self.engine), ("captures", self.captures), ("jobs", self.jobs),
+                             ("state_dir", self.store)):
             try:
                 out += source.collect() if source is not None else []
             except Exception:

@@ -12,7 +12,6 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import Metric
@@ -24,7 +23,7 @@ from .config import CaptureSettings
 from .errors import AmbiguousJob, DomainError, StorageError
 from .jobs import JobRegistry, Target
 from .policy import Admission, CapturePolicy
-from .records import ACTIVE, FINISHED, TRIGGERS, CaptureRecord, RecordStore, new_id, tree_bytes
+from .records import ACTIVE, FINISHED, TRIGGERS, CaptureRecord, RecordStore, new_id
 from .workers import WorkerPool
 
 log = logging.getLogger("tfprofd.captures")
@@ -135,7 +134,7 @@ class CaptureService:
             if record.status in ACTIVE:
                 record.status, record.reason = "failed", record.reason or "error"
             record.finished_at = record.finished_at or self.clock.time()
-            record.bytes = tree_bytes(Path(record.directory))
+            record.bytes = self.store.capture_bytes(record.id)
             with self._lock:
                 key = (record.trigger, record.status)
                 self._finished[key] = self._finished.get(key, 0) + 1

@@ -25,8 +25,10 @@ AGENT_PART = " agent"  # the exposition part of the agent's own families (no col
 class Endpoints:
     def __init__(self, router: Router, version: str, runners: Callable[[], Mapping[str, CollectorRunner]],
                  live: Callable[[], Iterable[Metric]], servers: Callable[[], Iterable[HttpServer]],
-                 stopping: Callable[[], bool], interval: Callable[[], float]):
+                 stopping: Callable[[], bool], interval: Callable[[], float],
+                 storage_problem: Callable[[], str | None] = lambda: None):
         self.version = version
+        self.storage_problem = storage_problem
         self.interval = interval
         self.runners = runners
         self.live = live
@@ -80,8 +82,11 @@ class Endpoints:
                              "last_sample_timestamp_seconds": s.last_sample_wall}
                       for name, s in sorted(states(self.runners()).items())}
         healthy = not self.stopping() and all(c["healthy"] for c in collectors.values())
-        return json_response(200 if healthy else 503, {"status": "ok" if healthy else "unhealthy",
-                                                       "collectors": collectors})
+        body = {"status": "ok" if healthy else "unhealthy", "collectors": collectors}
+        problem = self.storage_problem()
+        if problem:  # captures cannot be stored; restarting the agent would not help, so it stays 200
+            body["storage_problem"] = problem
+        return json_response(200 if healthy else 503, body)
 
     def landing(self, request: Request) -> Response:
         body = f"""<!doctype html><html><head><title>tfprofd</title></head><body>

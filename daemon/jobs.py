@@ -64,11 +64,14 @@ class JobRegistry:
         self._minors = {minor: g for f in facts if isinstance(f, GpuProcesses) for minor, g in f.minors}
 
     def _job_gpus(self) -> list[tuple[str, str, ProcessView]]:
-        """(gpu, uuid, process) for every reporting process NVML lists on a GPU (joined on pid)."""
+        """(gpu, uuid, process) for every reporting process NVML lists on a GPU (joined on pid; only a pid
+        the training collector verified is this process's in the agent's namespace, never a pod's own)."""
         with self._lock:
             processes, gpus = self._processes, self._gpus
         by_pid: dict[int, list[ProcessView]] = {}
         for p in processes:
+            if not p.pid_verified:
+                continue
             by_pid.setdefault(p.pid, []).append(p)
         return [(gpu, uuid, p) for gpu, uuid, pids in gpus for pid in sorted(pids) for p in by_pid.get(pid, ())]
 

@@ -5,11 +5,11 @@ Layout under the state directory::
     records/<id>.json      one record per capture; the directory is 0700 (only the agent writes there)
     captures/<id>/...      the capture's trace (and xprof's viewer cache), group-readable
 
-Ids have the agent's own format and must equal the record's file name. Files are written through a
-``mkstemp`` file renamed into place and read with ``O_NOFOLLOW``; a record file that is unreadable or
-wrong is set aside (``.bad-<time>``), named in the log, and the agent starts anyway. Deleting a capture
-walks its directory by file descriptor: it never follows a link, never leaves the directory, and
-counts only the bytes it really freed.
+Ids have the agent's own format and must equal the record's file name. Every path is reached through
+``StateDir`` (statedir.py): relative to directory descriptors, never through a link, and refused if a
+member of the state directory's group swapped it. A record file that is unreadable or wrong is set aside
+(``.bad-<time>``), named in the log, and the agent starts anyway. Deleting a capture walks its directory
+by file descriptor, only if the agent owns it, and counts only the bytes it really freed.
 """
 
 from __future__ import annotations
@@ -29,13 +29,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.core import Metric
+
+from .statedir import StateDir, mkdir_at
+
 log = logging.getLogger("tfprofd.records")
 
 ID = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{6}$")
 TRIGGERS = ("rule", "alert", "manual", "baseline")
 ACTIVE = ("running", "analyzing")
 FINISHED = ("done", "failed", "analysis_failed")
-_UMASK_LOCK = threading.Lock()
 
 
 @dataclass
@@ -102,26 +105,8 @@ def new_id(now: float) -> str:
 
 
 def make_dir(path: Path, mode: int, exist_ok: bool = False) -> None:
-    """Create a directory with exactly ``mode`` (never world-writable), whatever the umask.
-
-    No chmod: a setgid parent passes its bit on by itself, and a chmod that keeps it would be refused
-    under systemd's RestrictSUIDSGID. The umask is narrowed only to let ``mode``'s own bits through,
-    and always keeps other users' write bit, so another thread's file never comes out world-writable.
-    """
-    if mode & 0o7002:
-        raise ValueError(f"mode {mode:o}: no world-write, setuid, setgid or sticky bit")
-    with _UMASK_LOCK:
-        old = os.umask(~mode & 0o777 | 0o002)
-        try:
-            os.mkdir(path, mode)
-        except FileExistsError:
-            if not exist_ok:
-                raise
-            st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode):
-                raise NotADirectoryError(f"{path} exists and is not a directory") from None
-        finally:
-            os.umask(old)
+    """Create a directory with exactly ``mode`` (never world-writable), whatever the umask (``mkdir_at``)."""
+    mkdir_at(None, path, mode, exist_ok)
 
 
 def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
@@ -144,8 +129,11 @@ def read_nofollow(path: Path, limit: int = 16 * 1024 * 1024) -> bytes:
     """A regular file's bytes, refusing a symbolic link or anything that is not a regular file."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
             raise OSError(f"{path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise OSError(f"{path} is owned by uid {st.st_uid}, not by the agent's user (uid {os.geteuid()})")
         data = f.read(limit + 1)
     if len(data) > limit:
         raise OSError(f"{path} is larger than {limit} bytes")
@@ -162,67 +150,15 @@ def set_aside(path: Path, why: str) -> None:
         log.error("%s: %s; could not set it aside (%s), ignoring it", path, why, exc)
 
 
-def tree_bytes(path: Path) -> int:
-    """Bytes of the regular files under ``path``, not following links."""
-    total = 0
-    try:
-        for _, _, files, dir_fd in os.fwalk(path, follow_symlinks=False):
-            for name in files:
-                with contextlib.suppress(OSError):
-                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                    if stat.S_ISREG(st.st_mode):
-                        total += st.st_size
-    except OSError:
-        pass
-    return total
-
-
-def remove_tree(path: Path) -> tuple[int, list[str]]:
-    """Delete a directory tree without following links or leaving it; (bytes freed, what could not go)."""
-    freed, left = 0, []
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return 0, []
-    if not stat.S_ISDIR(st.st_mode):
-        return 0, [f"{path}: not a directory, left alone"]
-    for dirpath, dirnames, files, dir_fd in os.fwalk(path, topdown=False, follow_symlinks=False,
-                                                      onerror=lambda e: left.append(f"{e.filename}: {e.strerror}")):
-        for name in files:
-            try:
-                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                os.unlink(name, dir_fd=dir_fd)
-                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-                    freed += st.st_size  # a file with another hard link frees nothing
-            except OSError as exc:
-                left.append(f"{dirpath}/{name}: {exc.strerror}")
-        for name in dirnames:
-            try:
-                if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-                    os.unlink(name, dir_fd=dir_fd)
-                else:
-                    os.rmdir(name, dir_fd=dir_fd)
-            except OSError as exc:
-                left.append(f"{dirpath}/{name}: {exc.strerror}")
-    try:
-        os.rmdir(path)
-    except OSError as exc:
-        left.append(f"{path}: {exc.strerror}")
-    return freed, left
-
-
 class RecordStore:
-    """Owns ``records/`` and ``captures/`` under the state directory."""
+    """Owns ``records/`` and ``captures/`` under the state directory, reached only through ``StateDir``."""
 
     def __init__(self, state_dir: Path):
+        self.state = StateDir(state_dir)
         self.records_dir = state_dir / "records"
         self.captures_dir = state_dir / "captures"
-        make_dir(self.records_dir, 0o700, exist_ok=True)
-        make_dir(self.captures_dir, 0o750, exist_ok=True)
-        for directory in (self.records_dir, self.captures_dir):
-            st = os.lstat(directory)
-            if st.st_uid != os.geteuid() or st.st_mode & 0o002:
-                raise PermissionError(f"{directory} must be owned by the agent's user and not world-writable")
+        self.state.ensure_dir("records", 0o700)
+        self.state.ensure_dir("captures", 0o750)
         self._lock = threading.Lock()
 
     def capture_dir(self, capture_id: str) -> Path:
@@ -231,35 +167,59 @@ class RecordStore:
         return self.captures_dir / capture_id
 
     def create_capture_dir(self, capture_id: str, mode: int) -> Path:
-        path = self.capture_dir(capture_id)
-        make_dir(path, mode)
-        return path
+        """The new capture's directory; raises OSError (StateDirSwapped if ``captures`` was swapped)."""
+        return self.state.make_subdir("captures", self.capture_dir(capture_id).name, mode)
+
+    def capture_bytes(self, capture_id: str) -> int:
+        """Bytes of the capture's files (0 if its directory is not the agent's own)."""
+        return self.state.tree_bytes("captures", self.capture_dir(capture_id).name)
 
     def save(self, record: CaptureRecord) -> None:
-        path = self.records_dir / f"{self.capture_dir(record.id).name}.json"
+        name = f"{self.capture_dir(record.id).name}.json"
         with self._lock:
-            write_private(path, json.dumps(record.public(), indent=1, sort_keys=True).encode())
+            self.state.write("records", name, json.dumps(record.public(), indent=1, sort_keys=True).encode())
 
     def load(self) -> Iterator[CaptureRecord]:
         """Every valid record; bad ones are set aside with the reason."""
-        for path in sorted(self.records_dir.glob("*.json")):
+        for name in self.state.names("records"):
+            if not name.endswith(".json") or name.startswith("."):
+                continue
             try:
-                record = CaptureRecord.from_dict(json.loads(read_nofollow(path)))
-                if record.id != path.stem:
+                record = CaptureRecord.from_dict(json.loads(self.state.read("records", name)))
+                if record.id != name[:-len(".json")]:
                     raise ValueError(f"its id {record.id!r} is not its file name")
             except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
-                set_aside(path, f"not a valid capture record: {exc}")
+                self._set_aside(name, f"not a valid capture record: {exc}")
                 continue
             record.directory = str(self.capture_dir(record.id))  # never trust a stored path
             yield record
 
+    def _set_aside(self, name: str, why: str) -> None:
+        aside = f"{name}.bad-{time.strftime('%Y%m%dT%H%M%S')}"
+        try:
+            self.state.rename("records", name, aside)
+            log.error("%s: %s; set aside as %s, starting without it", self.records_dir / name, why, aside)
+        except OSError as exc:
+            log.error("%s: %s; could not set it aside (%s), ignoring it", self.records_dir / name, why, exc)
+
     def delete(self, record: CaptureRecord) -> int:
-        """Remove a capture's directory and its record; the bytes freed. What cannot go is logged."""
-        freed, left = remove_tree(self.capture_dir(record.id))
+        """Remove a capture's directory and its record; the bytes freed. What cannot go is logged; a directory
+        that is not the agent's own (swapped) is left alone, and the record with it."""
+        try:
+            freed, left = self.state.remove_tree("captures", self.capture_dir(record.id).name)
+        except OSError as exc:
+            log.error("capture %s: not deleted: %s", record.id, exc)
+            return 0
         for problem in left[:5]:
             log.warning("capture %s: could not delete %s", record.id, problem)
         if len(left) > 5:
             log.warning("capture %s: %d more paths could not be deleted", record.id, len(left) - 5)
-        with self._lock, contextlib.suppress(FileNotFoundError):
-            os.unlink(self.records_dir / f"{record.id}.json")
+        try:
+            with self._lock:
+                self.state.unlink("records", f"{record.id}.json")
+        except OSError as exc:
+            log.error("capture %s: its record was not deleted: %s", record.id, exc)
         return freed
+
+    def collect(self) -> Iterator[Metric]:
+        return self.state.collect()

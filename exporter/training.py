@@ -1,9 +1,12 @@
 """Training collector: receives the hook's reports, validates them, and exports throughput per job.
 
 Reports arrive on a Unix datagram socket (a host's training processes; the kernel tells the sender's
-pid, which the report must carry) and, where configured, over UDP (pods sending to the node IP; the
-profiler address must then be the sender's own). Nothing a sender writes can make the agent profile
-another process than the sender.
+pid, which the report must carry) and, where configured, over UDP. A UDP datagram from a socket of this
+host (loopback, or an address of the host: the socket is in the agent's network namespace) is as good
+as its socket's owner in /proc/net/udp: its pid must be that uid's process and its profiler port one that
+uid listens on. From a pod (another namespace) only the source address is known: the profiler must be
+on it, and its pid, which means nothing here, is never joined to NVML's. Nothing a sender writes can make
+the agent profile another process than the sender.
 
 Series are labelled ``training_job`` and ``worker`` (``job`` belongs to Prometheus' scrape target). The
 agent keeps state per reporting process and sums the processes of a (job, worker): two users' jobs of
@@ -41,8 +44,9 @@ from .options import option, parse_bool, parse_duration, parse_host, parse_int, 
 log = logging.getLogger("tfprofd.training")
 
 REJECT_REASONS = ("too_large", "too_deep", "malformed_json", "not_an_object", "unknown_version", "invalid_field",
-                  "stale", "counter_decreased", "pid_mismatch", "untrusted_profiler", "too_many_jobs",
-                  "internal_error")
+                  "stale", "counter_decreased", "pid_mismatch", "untrusted_profiler", "unverified_sender",
+                  "too_many_jobs", "internal_error")
+SECURITY_REASONS = frozenset({"pid_mismatch", "untrusted_profiler", "unverified_sender"})  # logged as warnings
 _NAME = re.compile(r"^[A-Za-z0-9_.:/@+-]{1,128}$")
 _MAX_COUNT = 2**53
 MAX_BRACKETS = 16  # the schema nests 3 deep; more brackets than this is not a report
@@ -50,6 +54,7 @@ MAX_PROCESSES_PER_JOB = 64
 RATE_STALE_SECONDS = 5.0  # a process silent this long no longer counts as training or has a rate
 FOLDED_KEPT = 64  # processes per job whose counters were folded in, remembered to undo a fold
 NEW_JOB_LOGS_PER_MINUTE = 20
+REFUSED_LOGS_PER_MINUTE = 20
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -82,16 +87,20 @@ class Report:
 
 @dataclass(frozen=True)
 class Sender:
-    """Who sent a datagram: a local process the kernel vouches for, or a UDP peer address."""
+    """Who sent a datagram: a local process the kernel vouches for, or a UDP peer: a socket of this host (its
+    owner's uid known from /proc/net/udp) or a remote one such as a pod (its address only)."""
 
     local: bool
     pid: int | None = None
     uid: int | None = None
     address: str | None = None  # UDP source address
+    port: int | None = None  # UDP source port
 
     @property
     def origin(self) -> str:
-        return "local" if self.local else f"udp:{self.address}"
+        if self.local:
+            return "local"
+        return f"udp:{self.address}" if self.uid is None else f"udp:{self.address}:uid={self.uid}"
 
 
 def _int(data: dict[str, Any], key: str, optional: bool = False) -> int | None:
@@ -185,12 +194,15 @@ def parse_report(payload: bytes, max_bytes: int) -> Report:
     )
 
 
-# ---- trust: whose profiler server a report may point the agent at ----
+# ---- trust: whose pid and profiler server a report may name ----
 
 _LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
+OWN_PROC = Path("/proc")  # the agent's own namespaces: /proc/self/net is where its sockets live
+TCP_LISTEN = 0x0A
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
-def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+def _ip(text: str) -> Address | None:
     try:
         address = ipaddress.ip_address(text.strip("[]"))
     except ValueError:
@@ -204,39 +216,174 @@ def _is_loopback(host: str) -> bool:
     return host.lower() in _LOOPBACK_NAMES if address is None else address.is_loopback
 
 
-def listening_uids(net_tcp_texts: list[str], port: int) -> set[int]:
-    """Uids owning TCP sockets in LISTEN state on ``port``, from /proc/<pid>/net/tcp and tcp6."""
-    uids = set()
-    for text in net_tcp_texts:
-        for line in text.splitlines()[1:]:
-            parts = line.split()
-            if len(parts) < 8 or parts[3] != "0A":  # 0A = TCP_LISTEN
-                continue
-            if int(parts[1].rsplit(":", 1)[1], 16) == port:
-                uids.add(int(parts[7]))
-    return uids
+@dataclass(frozen=True)
+class ProcSocket:
+    """One socket of /proc/net/{tcp,tcp6,udp,udp6}: its local address and port, state and owner's uid."""
+
+    address: Address  # an IPv4-mapped IPv6 address is given as IPv4
+    port: int
+    state: int
+    uid: int
 
 
-def check_profiler(report: Report, sender: Sender, env: Environment) -> str | None:
+def _hex_address(text: str) -> Address:
+    raw = bytes.fromhex(text)
+    if len(raw) == 4:
+        return ipaddress.IPv4Address(raw[::-1])
+    if len(raw) != 16:
+        raise ValueError(f"address {text!r} is neither 4 nor 16 bytes")
+    address = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+    return address.ipv4_mapped or address
+
+
+def parse_proc_net(text: str, port: int | None = None) -> list[ProcSocket]:
+    """The sockets of a /proc/net/{tcp,tcp6,udp,udp6} text (only those on ``port``, if given: a host may
+    have thousands); lines that do not parse are skipped."""
+    sockets = []
+    needle = f":{port:04X} " if port is not None else ""
+    for line in text.splitlines()[1:]:
+        if needle not in line:
+            continue
+        parts = line.split()
+        if len(parts) < 8:
+            continue
+        try:
+            host, _, port_text = parts[1].partition(":")
+            found = ProcSocket(_hex_address(host), int(port_text, 16), int(parts[3], 16), int(parts[7]))
+        except ValueError:
+            continue
+        if port is None or found.port == port:
+            sockets.append(found)
+    return sockets
+
+
+def _reaches(bound: Address, target: Address) -> bool:
+    """Whether a socket bound to ``bound`` has ``target`` as its address (an unspecified bind has every one)."""
+    return bound == target or bound.is_unspecified
+
+
+def sender_uids(udp: list[ProcSocket], address: Address, port: int) -> set[int]:
+    """Uids owning a UDP socket that may have sent from ``address``:``port``."""
+    return {s.uid for s in udp if s.port == port and _reaches(s.address, address)}
+
+
+def listener_uids(tcp: list[ProcSocket], address: Address, port: int) -> set[int]:
+    """Uids owning a TCP socket in LISTEN state that a connection to ``address``:``port`` would reach."""
+    return {s.uid for s in tcp if s.state == TCP_LISTEN and s.port == port and _reaches(s.address, address)}
+
+
+def pid_uids(status_text: str | None) -> set[int] | None:
+    """A process's real and effective uids from /proc/<pid>/status; None if there is no such process."""
+    if status_text is None:
+        return None
+    for line in status_text.splitlines():
+        if line.startswith("Uid:"):
+            fields = line.split()[1:3]
+            if len(fields) == 2 and all(f.isdigit() for f in fields):
+                return {int(f) for f in fields}
+    return None
+
+
+def _read_sockets(procfs: Path, port: int, *names: str) -> list[ProcSocket]:
+    sockets = []
+    for name in names:
+        try:
+            sockets += parse_proc_net((procfs / name).read_text(), port)
+        except (OSError, UnicodeDecodeError):
+            continue  # no IPv6 on this kernel, or no such namespace
+    return sockets
+
+
+def _is_own_address(address: Address) -> bool:
+    """Whether ``address`` is one of this network namespace's addresses (binding to it works); fails safe:
+    where the kernel lets anyone bind any address (ip_nonlocal_bind), every address counts as local."""
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((str(address), 0))
+    except OSError:
+        return False
+    return True
+
+
+def identify_udp_sender(address: str, port: int, own_proc: Path = OWN_PROC) -> Sender:
+    """Who sent a UDP datagram: a process of this host (its socket is in the agent's network namespace,
+    which tells its uid) or a remote peer such as a pod (its address only). Raises Rejected
+    ("unverified_sender") for a loopback source whose socket is not found or has several owners."""
+    ip = _ip(address)
+    if ip is None:
+        raise Rejected("unverified_sender", f"source address {address!r} is not an IP address")
+    exact = _read_sockets(own_proc, port, "self/net/udp", "self/net/udp6")
+    uids = sender_uids(exact, ip, port)
+    bound_here = any(s.address == ip for s in exact)
+    if uids and (ip.is_loopback or bound_here or _is_own_address(ip)):
+        if len(uids) > 1:
+            raise Rejected("unverified_sender", f"sockets of several users ({sorted(uids)}) use {address} port {port}")
+        return Sender(local=False, address=str(ip), uid=uids.pop(), port=port)
+    if ip.is_loopback:
+        raise Rejected("unverified_sender", f"no socket of this host sends from {address} port {port}")
+    return Sender(local=False, address=str(ip), port=port)
+
+
+def check_pid(report: Report, sender: Sender, own_proc: Path = OWN_PROC) -> bool:
+    """Whether a UDP report's pid is the sender's process in the agent's pid namespace (so NVML's pids may be
+    joined to it). From loopback, another user's pid is refused (Rejected "pid_mismatch"). From one of the
+    host's addresses it may be a hostNetwork pod's own pid (another pid namespace): it is just not joined.
+    A pid that does not exist here, or a remote sender's, means nothing and is not joined either."""
+    if sender.uid is None:
+        return False
+    uids = pid_uids(_read_text(own_proc / str(report.pid) / "status"))
+    if uids is None:
+        return False
+    if sender.uid not in uids:
+        if not _is_loopback(sender.address or ""):
+            return False
+        raise Rejected("pid_mismatch", f"pid {report.pid} belongs to uid {min(uids)}, the sender is uid {sender.uid}")
+    return True
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def check_profiler(report: Report, sender: Sender, env: Environment, own_proc: Path = OWN_PROC) -> str | None:
     """The profiler address the agent may use for this report's process; raises Rejected("untrusted_profiler").
 
-    A local sender's server must be on loopback and its port listened on by the sender's uid (so
-    another user's server is never named). A UDP sender's server must be on the sender's own address.
+    A process of this host (unix socket, or UDP from a socket in the agent's network namespace) may name a
+    server on loopback (or, over UDP, its own source address) whose port a socket of the sender's uid
+    listens on, so another user's server is never named. A remote UDP sender's server must be on its own
+    address.
     """
     if report.profiler is None:
         return None
-    host, _, port = report.profiler.rpartition(":")
+    host, _, port_text = report.profiler.rpartition(":")
+    port = int(port_text)
     if sender.local:
         if not _is_loopback(host):
             raise Rejected("untrusted_profiler", f"a local process reports a profiler on {host}, not loopback")
-        texts = [t for name in ("tcp", "tcp6") if (t := env.paths.read_proc(f"{sender.pid}/net/{name}"))]
-        if sender.uid not in listening_uids(texts, int(port)):
-            raise Rejected("untrusted_profiler", f"port {port} is not listened on by the sender's uid {sender.uid}")
-        return f"127.0.0.1:{port}"
-    peer = _ip(sender.address or "")
-    if _ip(host) != peer and not (_is_loopback(host) and peer is not None and peer.is_loopback):
-        raise Rejected("untrusted_profiler", f"profiler host {host} is not the sender's address {sender.address}")
-    return report.profiler
+        tcp = _read_sockets(env.paths.procfs, port, f"{sender.pid}/net/tcp", f"{sender.pid}/net/tcp6")
+        target = ipaddress.IPv4Address("127.0.0.1")
+    elif sender.uid is not None:
+        peer = _ip(sender.address or "")
+        if not _is_loopback(host) and _ip(host) != peer:
+            raise Rejected("untrusted_profiler", f"profiler host {host} is neither loopback nor the sender's "
+                                                 f"address {sender.address}")
+        tcp = _read_sockets(own_proc, port, "self/net/tcp", "self/net/tcp6")
+        target = ipaddress.IPv4Address("127.0.0.1") if _is_loopback(host) else peer
+    else:
+        peer = _ip(sender.address or "")
+        if _ip(host) != peer and not (_is_loopback(host) and peer is not None and peer.is_loopback):
+            raise Rejected("untrusted_profiler", f"profiler host {host} is not the sender's address {sender.address}")
+        return report.profiler
+    uids = listener_uids(tcp, target, port)
+    if uids != {sender.uid}:
+        owners = f"uid {', '.join(map(str, sorted(uids)))}" if uids else "no socket"
+        raise Rejected("untrusted_profiler", f"port {port} is listened on by {owners}, not only by the sender's "
+                                             f"uid {sender.uid}")
+    return f"127.0.0.1:{port}" if _is_loopback(host) else f"{host}:{port}"
 
 
 # ---- state ----
@@ -275,6 +422,7 @@ class ProcessState:
     latest: Report
     last_seen: float  # monotonic
     profiler: str | None  # the address the agent may profile (checked), None if none
+    pid_verified: bool = False  # the pid is the sender's process in the agent's pid namespace
     samples_per_second: float | None = None
     recent_step_seconds: float | None = None
     recent_batch: float | None = None  # samples per step between the last two reports
@@ -309,6 +457,7 @@ class ProcessView:
     profiler: str | None  # checked profiler address, if any
     samples_per_second: float | None = None
     batch_size: float | None = None  # declared, else measured (samples per step)
+    pid_verified: bool = False  # the pid is this process in the agent's pid namespace (NVML's pids join it)
 
 
 @dataclass(frozen=True)
@@ -382,6 +531,8 @@ class TrainingCollector(Collector):
         self._stop = threading.Event()
         self._problem: str | None = None
         self._new_job_logs: list[float] = []
+        self._refused_logs: list[float] = []
+        self._refused_suppressed = 0
         self._sampled = _Sampled()
         self._logs_suppressed = 0
         self._selector = selectors.DefaultSelector()
@@ -484,7 +635,7 @@ class TrainingCollector(Collector):
                     return payload, Sender(local=True, pid=pid, uid=uid)
             return payload, Sender(local=True)  # no credentials: the pid check rejects it
         payload, peer = sock.recvfrom(65536)
-        return payload, Sender(local=False, address=peer[0])
+        return payload, Sender(local=False, address=peer[0], port=peer[1])
 
     def receive(self, payload: bytes, sender: Sender) -> bool:
         """Validate and apply one report; count and drop anything malformed, whatever goes wrong."""
@@ -492,6 +643,8 @@ class TrainingCollector(Collector):
             report = parse_report(payload, self.settings.max_datagram_bytes)
             if sender.local and report.pid != sender.pid:
                 raise Rejected("pid_mismatch", f"report says pid {report.pid}, the kernel says {sender.pid}")
+            if not sender.local and sender.port is not None:
+                sender = identify_udp_sender(sender.address or "", sender.port)
             with self._lock:
                 self._apply(report, sender)
                 self.accepted += 1
@@ -503,8 +656,25 @@ class TrainingCollector(Collector):
             log.exception("hook report could not be handled")
         with self._lock:
             self.rejected[reason] += 1
-        log.debug("hook report rejected: %s", detail)
+        if reason in SECURITY_REASONS:
+            self._log_refused(detail, sender)
+        else:
+            log.debug("hook report rejected: %s", detail)
         return False
+
+    def _log_refused(self, detail: str, sender: Sender) -> None:
+        """A report that names what its sender does not own: a warning, at most REFUSED_LOGS_PER_MINUTE a minute."""
+        now = self.clock.monotonic()
+        with self._lock:
+            self._refused_logs = [t for t in self._refused_logs if now - t < 60]
+            if len(self._refused_logs) >= REFUSED_LOGS_PER_MINUTE:
+                self._refused_suppressed += 1
+                return
+            self._refused_logs.append(now)
+            more, self._refused_suppressed = self._refused_suppressed, 0
+        where = f"udp {sender.address}:{sender.port}" if not sender.local else f"pid {sender.pid}"
+        log.warning("hook report from %s%s refused: %s%s", where, "" if sender.uid is None else f" (uid {sender.uid})",
+                    detail, f" ({more} more refusals not logged)" if more else "")
 
     def _apply(self, report: Report, sender: Sender) -> None:
         series = (report.job, report.worker)
@@ -520,13 +690,14 @@ class TrainingCollector(Collector):
         if process is None:
             if len(job.processes) >= MAX_PROCESSES_PER_JOB:
                 raise Rejected("too_many_jobs", f"{series} already has {MAX_PROCESSES_PER_JOB} live processes")
+            pid_verified = sender.local or check_pid(report, sender)
             profiler = check_profiler(report, sender, self.env)
             folded = job.folded_by.pop(key, None)
             if folded is not None:  # a process we took for gone reports again: take its counts back out
                 job.folded = job.folded.plus(folded, -1)
             if series not in self.jobs:
                 self.jobs[series] = job
-            job.processes[key] = ProcessState(key, report, now, profiler)
+            job.processes[key] = ProcessState(key, report, now, profiler, pid_verified)
             self._log_new(report, sender, profiler)
             self.wake()  # the job registry should know it before the next interval
         else:
@@ -636,7 +807,7 @@ class TrainingCollector(Collector):
                 views.append(ProcessView(job, worker, p.latest.pid, p.key[0] == "local", p.latest.phase,
                                          p.latest.phase == "train" and fresh, p.profiler,
                                          p.samples_per_second if fresh else None,
-                                         p.latest.batch_size or p.recent_batch))
+                                         p.latest.batch_size or p.recent_batch, p.pid_verified))
         return _Sampled(tuple(rows), tuple(sorted(self.rejected.items())), self.accepted, signals,
                         TrainingProcesses(tuple(views)))
 

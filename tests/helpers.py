@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import signal
@@ -11,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +148,18 @@ def wait_for(predicate, timeout: float, interval: float = 0.1, message: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {message}")
         time.sleep(interval)
+
+
+@functools.cache
+def _reports_socket() -> socket.socket:
+    return socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+
+@contextlib.contextmanager
+def reports_socket() -> Iterator[socket.socket]:
+    """A UDP socket for hand-made hook reports that stays open (as the hook's does): the agent learns a loopback
+    sender's uid from its socket in /proc/net/udp, so a socket closed before the report is read is refused."""
+    yield _reports_socket()
 
 
 class AgentProcess:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -154,17 +155,19 @@ def test_bad_requests_get_4xx_with_a_json_reason(rig):
 
 def test_a_job_without_a_listening_profiler_fails_with_no_server(rig):
     agent, _, _ = rig
-    closed = free_port()
     reporter = Reporter(job="ghost", profiler=False, addr=f"127.0.0.1:{agent.hook_port}")
-    reporter.profiler_address = f"127.0.0.1:{closed}"
-    reporter.record(1, 32, 0.01)
-    reporter.flush()
-    wait_for(lambda: job_reporting(agent, "ghost"), 5, message="ghost job")
+    with socket.socket() as server:  # the process's own port when it reports, closed when the capture comes
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        reporter.profiler_address = f"127.0.0.1:{server.getsockname()[1]}"
+        reporter.record(1, 32, 0.01)
+        reporter.flush()
+        wait_for(lambda: job_reporting(agent, "ghost"), 5, message="ghost job")
     status, answer = post_capture(agent, {"job": "ghost"})
     assert status == 202, answer
     record = wait_capture(agent, answer["id"])
     assert (record["status"], record["reason"]) == ("failed", "no_server"), record
-    assert f"127.0.0.1:{closed}" in record["detail"]
+    assert reporter.profiler_address in record["detail"]
 
 
 def test_gpu_utilization_drop_fires_the_rule_and_captures_the_job_on_that_gpu(rig):
@@ -324,7 +327,7 @@ def test_a_capture_opens_in_the_xprof_viewer_for_a_user_who_cannot_write_it(rig,
     import tempfile
     import urllib.request
 
-    from tfprofd.daemon.records import tree_bytes
+    from tfprofd.daemon.statedir import StateDir
 
     agent, _, _ = rig
     status, answer = post_capture(agent, {"job": "resnet", "duration_ms": 800})
@@ -335,7 +338,9 @@ def test_a_capture_opens_in_the_xprof_viewer_for_a_user_who_cannot_write_it(rig,
     names = {p.name for p in run.iterdir()}
     assert {"cache_version.txt", ".cached_tools.json", "ALL_HOSTS.op_stats_v2.pb"} <= names, names
     assert any(n.endswith(".SSTABLE") for n in names), names  # the trace viewer's tables
-    assert record["bytes"] == tree_bytes(Path(record["directory"]))  # the cache counts in the record's bytes
+    directory = Path(record["directory"])
+    counted = StateDir(directory.parent.parent).tree_bytes("captures", directory.name)
+    assert record["bytes"] == counted  # the cache counts in the record's bytes
     readable = Path(tempfile.mkdtemp(prefix="tfprofd-viewer-"))  # pytest's own tmp dirs are private (0700)
     copy = readable / "capture"
     shutil.copytree(record["directory"], copy)

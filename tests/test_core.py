@@ -21,7 +21,7 @@ from test_config import HOSTILE
 
 from tfprofd.exporter.hook import Reporter
 
-from helpers import AgentProcess, GpuState, free_port, gpu, http, metric_value, wait_for
+from helpers import AgentProcess, GpuState, gpu, http, metric_value, reports_socket, wait_for
 
 
 def run_agent(tmp_path, *args: str, timeout: float = 10) -> tuple[subprocess.CompletedProcess, float]:
@@ -257,7 +257,7 @@ def _report(agent: AgentProcess, **fields) -> None:
     reporter = Reporter(job=fields.pop("job"), worker="0", profiler=False, addr=f"127.0.0.1:{agent.hook_port}")
     report = reporter.report()
     report.update(fields)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with reports_socket() as s:
         s.sendto(json.dumps(report).encode(), ("127.0.0.1", agent.hook_port))
 
 
@@ -354,9 +354,13 @@ def test_an_alert_is_handled_only_once_a_capture_started_and_5xx_asks_for_a_retr
     agent = agents(args=["--alerts.host-value", "127.0.0.1"])
     status, answer = agent.call("POST", "/alerts", _alert(training_job="late"))
     assert status == 503 and answer["retry"][0]["why"].startswith("no training job 'late'"), answer
-    closed = free_port()
-    _report(agent, job="late", pid=4242, process_start=1.0, seq=1, time=1.0, phase="train",
-            profiler=f"127.0.0.1:{closed}")
+    with socket.socket() as server:  # the job's own port when it reports; closed when captures come
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        _report(agent, job="late", pid=4242, process_start=1.0, seq=1, time=1.0, phase="train",
+                profiler=f"127.0.0.1:{server.getsockname()[1]}")
+        wait_for(lambda: metric_value(agent.scrape(), "tfprofd_training_up", training_job="late") == 1, 10,
+                 message="job late")
 
     def retry():  # Alertmanager sends again until it gets a 2xx
         status, answer = agent.call("POST", "/alerts", _alert(training_job="late"))

@@ -8,7 +8,7 @@ import socket
 
 from tfprofd.exporter.hook import Reporter
 
-from helpers import AgentProcess, free_port, http, wait_for
+from helpers import AgentProcess, free_port, http, reports_socket, wait_for
 
 TOKEN = "shared-token-of-every-agent"
 
@@ -57,12 +57,15 @@ def test_an_alert_posted_to_one_agent_is_captured_once_by_the_agent_of_its_node(
     a.start()
     b.start()
     try:
-        # A job trains on node B (its profiler port is closed: the capture starts and fails, recorded).
+        # A job trains on node B (its profiler port closes once it reported: the capture starts and fails, recorded).
         report = Reporter(job="bert", worker="0", profiler=False, addr=f"127.0.0.1:{b.hook_port}").report()
-        report.update(pid=4242, process_start=1.0, seq=1, time=1.0, phase="train", profiler=f"127.0.0.1:{free_port()}")
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        with reports_socket() as s, socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen()
+            report.update(pid=4242, process_start=1.0, seq=1, time=1.0, phase="train",
+                          profiler=f"127.0.0.1:{server.getsockname()[1]}")
             s.sendto(json.dumps(report).encode(), ("127.0.0.1", b.hook_port))
-        wait_for(lambda: "training_job=\"bert\"" in b.scrape(), 20, message="the job to report to B")
+            wait_for(lambda: "training_job=\"bert\"" in b.scrape(), 20, message="the job to report to B")
 
         # Alertmanager posts to the Service, which picked A; A hands the alert to B.
         status, answer = _post("127.0.0.1", a.api_port, _alert("127.0.0.2:9847"))

@@ -13,7 +13,7 @@ import pytest
 from tfprofd.exporter.hook import Reporter
 from tfprofd.exporter.training import MAX_BRACKETS, REJECT_REASONS, Rejected, parse_report
 
-from helpers import metric_value, wait_for
+from helpers import metric_value, reports_socket, wait_for
 
 
 def valid(**overrides) -> dict:
@@ -72,7 +72,7 @@ def test_fuzzed_datagrams_never_crash_the_agent_and_are_counted(agents):
     payloads.append((b"x" * 65000, "too_large"))
     payloads.append((encode(valid(v="1")), "unknown_version"))
     payloads.append((b"null", "not_an_object"))
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+    with reports_socket() as sock:
         for i, (payload, reason) in enumerate(payloads):
             sock.sendto(payload, ("127.0.0.1", agent.hook_port))
             sent[reason] += 1
@@ -98,7 +98,7 @@ def test_stale_and_decreasing_reports_are_rejected(agents):
     first = reporter.report()
     reporter.record(10, 320, 0.1)
     second = reporter.report()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+    with reports_socket() as sock:
         for payload in (first, second, first, {**second, "seq": 99, "steps": 1}):
             sock.sendto(encode(payload), ("127.0.0.1", agent.hook_port))
     wait_for(lambda: metric_value(agent.scrape(), "tfprofd_hook_reports_rejected_total", reason="counter_decreased")
@@ -110,7 +110,7 @@ def test_stale_and_decreasing_reports_are_rejected(agents):
 
 def test_a_restarted_training_process_continues_the_job_counters(agents):
     agent = agents()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+    with reports_socket() as sock:
         sock.sendto(encode(valid(job="again", pid=100, steps=50, samples=1600)), ("127.0.0.1", agent.hook_port))
         sock.sendto(encode(valid(job="again", pid=200, steps=5, samples=160)), ("127.0.0.1", agent.hook_port))
     wait_for(lambda: metric_value(agent.scrape(), "tfprofd_training_samples_total", training_job="again") == 1760,

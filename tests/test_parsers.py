@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from ipaddress import ip_address
 from pathlib import Path
 
 import psutil
@@ -13,6 +14,7 @@ from tfprofd.exporter.cpu import CpuCollector, CpuSettings, busy_ratios, parse_l
 from tfprofd.exporter.disk import DiskCollector, DiskSettings
 from tfprofd.exporter.memory import MemoryCollector, MemorySettings
 from tfprofd.exporter.network import NetworkCollector, NetworkSettings, parse_speed
+from tfprofd.exporter.training import listener_uids, parse_proc_net, pid_uids, sender_uids
 
 from helpers import FIXTURES
 
@@ -106,3 +108,41 @@ def test_missing_pressure_files_mean_no_pressure_series(tmp_path: Path):
     cpu = CpuCollector(CpuSettings(), Environment(HostPaths(tmp_path, tmp_path)))
     cpu.sample()
     assert "tfprofd_pressure_cpu_waiting_seconds_total" not in families(cpu)
+
+
+# ---- /proc/net/{udp,tcp}: who owns a hook report's source port and a profiler's port ----
+
+def _proc_net(name: str) -> list:
+    return parse_proc_net((FIXTURES / "proc" / "net" / name).read_text())
+
+
+def test_proc_net_udp_names_each_sending_sockets_owner():
+    udp = _proc_net("udp") + _proc_net("udp6")
+    assert len(udp) == 5
+    loopback = ip_address("127.0.0.1")
+    assert sender_uids(udp, loopback, 38272) == {65534}  # nobody's unbound socket that sent (0.0.0.0)
+    assert sender_uids(udp, loopback, 41000) == {0}  # bound to 127.0.0.1
+    assert sender_uids(udp, ip_address("10.0.0.5"), 41000) == set()  # bound to loopback only
+    assert sender_uids(udp, ip_address("10.0.0.5"), 41002) == {0}  # [::] has every address
+    assert sender_uids(udp, ip_address("::1"), 41003) == {0}
+    assert sender_uids(udp, loopback, 41003) == set()
+    assert sender_uids(udp, loopback, 1) == set()
+    text = (FIXTURES / "proc" / "net" / "udp").read_text()
+    assert [(str(s.address), s.port, s.uid) for s in parse_proc_net(text, 41000)] == [("127.0.0.1", 41000, 0)]
+
+
+def test_proc_net_tcp_names_each_listening_ports_owner():
+    tcp = _proc_net("tcp") + _proc_net("tcp6")
+    loopback = ip_address("127.0.0.1")
+    assert len(tcp) == 7  # the line that is not a socket is skipped
+    assert listener_uids(tcp, loopback, 41010) == {0}  # listening; its connected sockets do not count
+    assert listener_uids(tcp, loopback, 41011) == {0}  # [::]
+    assert listener_uids(tcp, loopback, 41012) == {65534}  # 0.0.0.0
+    assert listener_uids(tcp, loopback, 41013) == set() and listener_uids(tcp, ip_address("::1"), 41013) == {65534}
+    assert listener_uids(tcp, loopback, 41014) == {1000}  # ::ffff:127.0.0.1
+    assert listener_uids(tcp, loopback, 47198) == set()  # 0xB85E: a connection's port, not a listener
+
+
+def test_proc_pid_status_gives_real_and_effective_uid():
+    assert pid_uids("Name:\tpython\nUid:\t1000\t0\t0\t0\nGid:\t1000\t1000\t1000\t1000\n") == {1000, 0}
+    assert pid_uids("Name:\tpython\n") is None and pid_uids(None) is None
