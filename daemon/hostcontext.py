@@ -29,12 +29,13 @@ import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tfprofd.exporter.base import Clock, HostPaths, parse_pressure
 
-from .jobs import JobRegistry
-from .sampler import Snapshot
+if TYPE_CHECKING:
+    from .jobs import JobRegistry
+    from .sampler import Snapshot
 
 log = logging.getLogger("tfprofd.hostcontext")
 

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .hostcontext import HostContext
+
 log = logging.getLogger("tfprofd.records")
 
 ID = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{6}$")
@@ -60,6 +62,7 @@ class CaptureRecord:
     directory: str = ""
     analysis: dict[str, Any] | None = None
     context: dict[str, Any] | None = None  # the job's samples/s and batch size when the capture was asked for
+    host: HostContext | None = None  # what the host was doing over the capture window (hostcontext.py)
 
     def public(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,7 +77,8 @@ class CaptureRecord:
             "duration_ms": (int,), "mode": (str,), "rule": (str, type(None)), "alert": (str, type(None)),
             "gpu": (str, type(None)), "status": (str,), "reason": (str, type(None)), "detail": (str, type(None)),
             "started_at": (int, float, type(None)), "finished_at": (int, float, type(None)), "files": (list,),
-            "bytes": (int,), "directory": (str,), "analysis": (dict, type(None)), "context": (dict, type(None))}
+            "bytes": (int,), "directory": (str,), "analysis": (dict, type(None)), "context": (dict, type(None)),
+            "host": (dict, type(None))}
         required = {"id", "trigger", "job", "targets", "requested_at", "duration_ms", "mode"}
         values = {}
         for name, types in kinds.items():
@@ -94,6 +98,8 @@ class CaptureRecord:
             raise ValueError("field 'targets' must be a list of objects of strings")
         if not all(isinstance(f, str) for f in values.get("files", [])):
             raise ValueError("field 'files' must be a list of strings")
+        if values.get("host") is not None:
+            values["host"] = HostContext.from_json(values["host"])
         return cls(**values)
 
 
