@@ -210,8 +210,10 @@ class CaptureService:
             if comparison is not None:
                 result["comparison"] = {**comparison, "baseline_id": base.id}
                 result["summary"] = f"{comparison['summary']} ({result['summary']})"
-        if apply(result, record.host, record.rule) is not None and record.rule:  # the trace's verdict + the host
-            self.policy.forgive(record.rule, frozenset(t["address"] for t in record.targets))
+        if apply(result, record.host, record.rule) is not None and record.rule and self.policy.forgive(
+                record.rule, frozenset(t["address"] for t in record.targets)):  # the trace's verdict + the host
+            log.info("capture %s found host contention: rule %s's cooldown for job %s is lifted", record.id,
+                     record.rule, record.job)
         record.status, record.analysis = "done", result
         log.info("capture %s analysed: job=%s %s", record.id, record.job, result.get("summary"))
 
