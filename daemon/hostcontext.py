@@ -16,8 +16,9 @@ CPU samples of the 30 s before the capture was asked for say how busy the host w
 Contention: the job's threads were ready to run on ``wanted`` CPUs on average (run + run-queue wait over the
 window, at most the host's CPUs) and ran on ``got``; what they lost (``wanted - got``, no more than what other
 processes used) is the CPU other processes took from the job. ``host_contention`` is named when that loss is at
-least a quarter of what the job wanted and a fifth of a CPU, and when it explains the step better than the
-trace's own verdict (see ``join``). The trace analysis stays pure: the join happens here, on its result.
+least a quarter of what the job wanted and a fifth of a CPU, and it becomes the capture's cause where CPU
+starvation explains the trace's verdict (see ``join``). The trace analysis stays pure: the join happens here,
+on its result.
 """
 
 from __future__ import annotations
@@ -403,13 +404,10 @@ class TraceVerdict:
     kind: str
     summary: str
     hardware: str
-    input_bound_ratio: float | None
 
     @classmethod
     def of(cls, analysis: Mapping[str, Any]) -> TraceVerdict:
-        ratio = analysis.get("input_bound_ratio")
-        return cls(str(analysis.get("bottleneck")), str(analysis.get("summary", "")), str(analysis.get("hardware", "")),
-                   ratio if isinstance(ratio, (int, float)) else None)
+        return cls(str(analysis.get("bottleneck")), str(analysis.get("summary", "")), str(analysis.get("hardware", "")))
 
 
 @dataclass(frozen=True)
@@ -427,20 +425,23 @@ def join(trace: TraceVerdict, host: HostContext | None, rule: str | None = None)
     """The final cause when host contention explains the step better than the trace's verdict; else None.
 
     CPU contention stretches host work (``host``, ``small_batch``), CPU compute (``device`` on a CPU-only trace)
-    and a trace too starved to show steps (``unknown``). It does not make a GPU compute longer; and a job waiting
-    for input is named ``input`` unless the share of CPU it lost is larger than its share of the step spent
-    waiting for input (a sleeping reader wants little CPU, so it loses little)."""
+    and a trace too starved to show steps (``unknown``): there, contention is the cause. It does not make a GPU
+    compute longer. And a step that waits for input keeps its ``input`` (or ``transfer``) verdict, with the
+    contention noted beside it: from CPU totals alone tfprofd cannot tell a reader that sleeps on storage (the
+    demo's injected bottleneck, which a CPU hog does not explain) from a pipeline starved of CPU, and the input
+    pipeline is where either is fixed."""
     if host is None or host.contention is None:
         return None
     c = host.contention
     cpu_bound = trace.kind in ("host", "small_batch", "unknown") or (
         trace.kind == "device" and trace.hardware in ("CPU_ONLY", ""))
-    if trace.kind in ("input", "transfer"):
-        cpu_bound = trace.input_bound_ratio is not None and c.lost_share > trace.input_bound_ratio
     if not cpu_bound:
         return None
-    fired = f" (rule {rule} fired while the host was contended)" if rule else ""
-    return Cause("host_contention", c.why + fired, CONTENTION_RECOMMENDATION, trace.kind, trace.summary)
+    return Cause("host_contention", c.why + _fired(rule), CONTENTION_RECOMMENDATION, trace.kind, trace.summary)
+
+
+def _fired(rule: str | None) -> str:
+    return f" (rule {rule} fired while the host was contended)" if rule else ""
 
 
 def apply(analysis: dict[str, Any], host: HostContext | None, rule: str | None = None) -> Cause | None:
@@ -453,7 +454,8 @@ def apply(analysis: dict[str, Any], host: HostContext | None, rule: str | None =
                          "why": cause.why, "recommendation": cause.recommendation,
                          "summary": f"{cause.kind}: {cause.why}; the trace alone says {cause.trace_summary}"})
     elif host is not None and host.contention is not None:
-        analysis["summary"] = f"{analysis.get('summary')}; the host was contended too: {host.contention.why}"
+        analysis["summary"] = (f"{analysis.get('summary')}; the host was contended too: {host.contention.why}"
+                               f"{_fired(rule)}")
     return cause
 
 

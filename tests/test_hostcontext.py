@@ -112,8 +112,8 @@ def test_a_procfs_without_stat_is_an_error_not_a_guess(tmp_path):
     ("small_batch", "CPU_ONLY", None, "host_contention"),
     ("host", "GPU", None, "host_contention"),
     ("device", "GPU", None, "device"),  # CPU contention does not make GPU kernels longer
-    ("input", "CPU_ONLY", 0.7, "input"),  # waiting for input is the larger share of the step
-    ("input", "CPU_ONLY", 0.4, "host_contention"),  # the CPU the job lost is the larger share (0.6)
+    ("input", "CPU_ONLY", 0.3, "input"),  # a step waiting for input keeps its verdict, contention noted
+    ("transfer", "GPU", 0.3, "transfer"),
 ])
 def test_the_join_names_contention_only_where_it_explains_the_step(kind, hardware, ratio, final):
     host = window()
@@ -131,7 +131,8 @@ def test_the_join_names_contention_only_where_it_explains_the_step(kind, hardwar
     else:
         assert cause is None and "trace_bottleneck" not in analysis
         assert analysis["summary"] == (f"{kind}: the trace's sentence; the host was contended too: "
-                                       f"{host.contention.why}")
+                                       f"{host.contention.why} (rule throughput_drop fired while the host was "
+                                       "contended)")
 
 
 def test_no_contention_leaves_the_trace_verdict_alone():
