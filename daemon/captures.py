@@ -153,7 +153,9 @@ class CaptureService:
         timeout = self.settings().timeout + record.duration_ms / 1000
         window = self._host(lambda host: host.open(record.job))
         outcome = self.capture_workers.run("tfprofd.daemon.capture_worker", [], json.dumps(request), timeout)
-        if window is not None:
+        if isinstance(window, HostContext):  # the window could not be opened: the record says why
+            record.host = window
+        elif window is not None:
             record.host = self._host(lambda host: host.close(window, before))
             if record.host is not None and record.host.contention is not None:
                 log.warning("capture %s: other processes starved job %s: %s", record.id, record.job,

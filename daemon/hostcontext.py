@@ -545,16 +545,16 @@ class HostMonitor:
         return False
 
     def open(self, job: str) -> Window:
-        """Read the window's first edge (call just before the capture starts)."""
-        with self._lock:
-            self._open += 1
+        """Read the window's first edge (call just before the capture starts); ``close`` it in any case."""
         now = self.clock.monotonic()
         roots, note = self._roots(job)
         try:
-            edge = read_edge(self.paths, roots, self._agent_pid(), now)
+            window = Window(job, read_edge(self.paths, roots, self._agent_pid(), now), bool(roots), now, note)
         except ValueError as exc:
-            return Window(job, None, False, now, str(exc))
-        return Window(job, edge, bool(roots), now, note)
+            window = Window(job, None, False, now, str(exc))
+        with self._lock:
+            self._open += 1
+        return window
 
     def close(self, window: Window, before: HostLoad | None = None) -> HostContext:
         """Read the window's second edge and say what the host did in between."""

@@ -168,3 +168,35 @@ def test_a_contended_capture_gives_its_rule_cooldown_back(tmp_path: Path):
     assert policy.forgive("throughput_drop", admission.addresses)
     policy.release(policy.admit(targets, None, rule="throughput_drop", cooldown=600))
     assert not policy.forgive("other_rule", admission.addresses)
+
+
+class _Registry:
+    def __init__(self, *processes):
+        self.listed = list(processes)
+
+    def processes(self, job):
+        return self.listed
+
+
+def test_a_window_on_a_procfs_without_stat_says_why_and_keeps_no_samples(tmp_path):
+    from tfprofd.daemon.hostcontext import HostMonitor
+    from tfprofd.exporter.training import ProcessView
+
+    reported = ProcessView("j", "0", 4242, False, "train", True, "127.0.0.1:6009")  # UDP, not matched here
+    monitor = HostMonitor(HostPaths(tmp_path), _Registry(reported), Clock())
+    window = monitor.open("j")
+    context = monitor.close(window)
+    assert context.cpus is None and context.contention is None
+    assert context.note == f"cannot read {tmp_path}/stat"
+    assert monitor._open == 0 and not monitor._series
+
+
+def test_a_udp_pid_that_does_not_hold_the_profiler_port_is_not_the_job(tmp_path):
+    from tfprofd.daemon.hostcontext import HostMonitor
+    from tfprofd.exporter.training import ProcessView
+
+    # the fixture's pid 100 has no fd holding a socket on the profiler's port: another namespace's number
+    reported = ProcessView("j", "0", JOB, False, "train", True, "127.0.0.1:6009")
+    monitor = HostMonitor(HostPaths(EDGES / "after"), _Registry(reported), Clock())
+    context = monitor.close(monitor.open("j"))
+    assert context.job_cores is None and "could not be matched to a process here" in context.note
