@@ -29,7 +29,7 @@ import statistics
 import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from tfprofd.exporter.base import Clock, HostPaths, parse_pressure
@@ -346,7 +346,7 @@ def measure(before: Edge, after: Edge, clock_ticks: int, job_visible: bool, note
     tfprofd = _ticks(before, after, after.tfprofd - after.job) / clock_ticks / seconds
     context = HostContext(round(seconds, 3), after.cpus, busy, steal, delta.iowait / delta.total, psi, note=note)
     if not job_visible or not after.job:
-        return _with(context, tfprofd_cores=tfprofd, note=note or "the job's processes are not visible to the agent "
+        return replace(context, tfprofd_cores=tfprofd, note=note or "the job's processes are not visible to the agent "
                      "(another pid namespace, or none reported over the local socket); its share is unknown")
     shared = [t for t in after.tasks if t in before.tasks]
     new = [t for t in after.tasks if t not in before.tasks]
@@ -361,14 +361,10 @@ def measure(before: Edge, after: Edge, clock_ticks: int, job_visible: bool, note
                   key=lambda kv: -_ticks(before, after, [kv[0]]))[:TOP_OTHERS]
     top = [OtherProcess(pid, p.comm, round(_ticks(before, after, [pid]) / clock_ticks / seconds, 3))
            for pid, p in rest]
-    context = _with(context, job_cores=job, job_wait_cores=job_wait, job_processes=len(after.job),
+    context = replace(context, job_cores=job, job_wait_cores=job_wait, job_processes=len(after.job),
                     job_threads=len(after.tasks), tfprofd_cores=tfprofd, other_cores=others,
                     top_others=[o for o in top if o.cores >= 0.05])
-    return _with(context, contention=contention(context))
-
-
-def _with(context: HostContext, **changes: Any) -> HostContext:
-    return HostContext(**{**{f.name: getattr(context, f.name) for f in fields(HostContext)}, **changes})
+    return replace(context, contention=contention(context))
 
 
 def contention(c: HostContext) -> Contention | None:
@@ -571,8 +567,8 @@ class HostMonitor:
                 last = read_edge(self.paths, roots, self._agent_pid(), now)
                 context = measure(window.first, last, self.clock_ticks, window.visible, window.note)
             except ValueError as exc:
-                context = _with(context, note=str(exc))
-        return _with(context, sampled=summarise(taken), before=before)
+                context = replace(context, note=str(exc))
+        return replace(context, sampled=summarise(taken), before=before)
 
     def load_before(self) -> HostLoad | None:
         """The CPUs' busy and iowait shares over the last ``BEFORE_SECONDS`` as the sampler saw them."""
