@@ -29,6 +29,7 @@ from .captures import CaptureService
 from .errors import DomainError
 from .forwarding import AlertForwarder
 from .health import AGENT_PART, Endpoints
+from .hostcontext import HostMonitor
 from .httpserver import EventLoop, HttpServer, Router
 from .jobs import JobRegistry
 from .policy import CapturePolicy
@@ -80,7 +81,8 @@ class Agent:
         token = Token.resolve(self.cfg.api.token, self.cfg.api.token_file, state_dir)
         store = self.store = RecordStore(state_dir)
         policy = CapturePolicy(self.env.clock, state_dir / "alerts_seen.json")
-        self.captures = CaptureService(lambda: self.cfg.captures, store, policy, self.jobs, self.env.clock)
+        self.host = HostMonitor(self.env.paths, self.jobs, self.env.clock)
+        self.captures = CaptureService(lambda: self.cfg.captures, store, policy, self.jobs, self.env.clock, self.host)
         self.baselines = Baselines(lambda: self.cfg.captures, self.captures, self.jobs, self.engine, self.env.clock)
         metrics, api = Router(), Router()
         self.endpoints = Endpoints(metrics, __version__, lambda: self.runners, self._live, lambda: self.servers,
@@ -134,7 +136,8 @@ class Agent:
                 collector = self.collectors[name] = cls(settings, self.env)
                 runner = self.runners[name] = CollectorRunner(
                     collector, lambda: self.cfg.core.interval, self.env.clock,
-                    [self.jobs.on_snapshot, self._on_snapshot, self.baselines.on_snapshot, self.endpoints.after_sample])
+                    [self.jobs.on_snapshot, self._on_snapshot, self.baselines.on_snapshot, self.endpoints.after_sample,
+                     self.host.on_snapshot])
                 runner.start()
             elif settings.enabled:
                 self.collectors[name].configure(settings)

@@ -21,6 +21,7 @@ from tfprofd.exporter.base import Clock, counter, gauge
 from .analysis import compare  # stdlib-only at import: xprof loads in the analysis worker alone
 from .config import CaptureSettings
 from .errors import AmbiguousJob, DomainError, StorageError
+from .hostcontext import HostContext, HostLoad, HostMonitor, apply
 from .jobs import JobRegistry, Target
 from .policy import Admission, CapturePolicy
 from .records import ACTIVE, FINISHED, TRIGGERS, CaptureRecord, RecordStore, new_id
@@ -33,8 +34,9 @@ AGENT_MODE_DIR = 0o750  # the agent writes the trace itself: its group may read,
 
 class CaptureService:
     def __init__(self, settings: Callable[[], CaptureSettings], store: RecordStore, policy: CapturePolicy,
-                 jobs: JobRegistry, clock: Clock):
+                 jobs: JobRegistry, clock: Clock, host: HostMonitor | None = None):
         self.settings = settings
+        self.host = host
         self.store = store
         self.policy = policy
         self.jobs = jobs
@@ -110,7 +112,8 @@ class CaptureService:
                    "logdir": record.directory, "max_trace_bytes": s.max_trace_bytes,
                    "host_tracer_level": s.host_tracer_level, "device_tracer_level": s.device_tracer_level,
                    "python_tracer_level": s.python_tracer_level, "delay_ms": int(s.delay * 1000), **(options or {})}
-        thread = threading.Thread(target=self._run, args=(record, request, admission), daemon=True,
+        before = self.host.load_before() if self.host is not None else None
+        thread = threading.Thread(target=self._run, args=(record, request, admission, before), daemon=True,
                                   name=f"tfprofd-capture-{record.id}")
         with self._lock:
             self._threads.add(thread)
@@ -119,9 +122,10 @@ class CaptureService:
 
     # ---- running one ----
 
-    def _run(self, record: CaptureRecord, request: dict[str, Any], admission: Admission) -> None:
+    def _run(self, record: CaptureRecord, request: dict[str, Any], admission: Admission,
+             before: HostLoad | None = None) -> None:
         try:
-            self._capture(record, request, admission)
+            self._capture(record, request, admission, before)
             if record.status == "done" and self.settings().analyze:
                 record.status = "analyzing"
                 self._save(record)
@@ -143,9 +147,18 @@ class CaptureService:
             self.on_change()
             self.enforce_retention()
 
-    def _capture(self, record: CaptureRecord, request: dict[str, Any], admission: Admission) -> None:
+    def _capture(self, record: CaptureRecord, request: dict[str, Any], admission: Admission,
+                 before: HostLoad | None = None) -> None:
         timeout = self.settings().timeout + record.duration_ms / 1000
+        window = self._host(lambda host: host.open(record.job))
         outcome = self.capture_workers.run("tfprofd.daemon.capture_worker", [], json.dumps(request), timeout)
+        if isinstance(window, HostContext):  # the window could not be opened: the record says why
+            record.host = window
+        elif window is not None:
+            record.host = self._host(lambda host: host.close(window, before))
+            if record.host is not None and record.host.contention is not None:
+                log.warning("capture %s: other processes starved job %s: %s", record.id, record.job,
+                            record.host.contention.why)
         result = outcome.result or {
             "status": "failed",
             "reason": {"timeout": "timeout", "stopped": "agent_stopped"}.get(outcome.status, "error"),
@@ -166,6 +179,16 @@ class CaptureService:
             log.warning("capture %s: process(es) at %s of job %s died during the capture%s", record.id,
                         ", ".join(result["died"]), record.job,
                         f"; no automatic capture of the job for {hold:.0f}s (captures.hold)" if hold else "")
+
+    def _host(self, measure: Callable[[HostMonitor], Any]) -> Any:
+        """A host measurement; one that fails is logged and leaves a note, never the capture failed."""
+        if self.host is None:
+            return None
+        try:
+            return measure(self.host)
+        except Exception as exc:
+            log.exception("host context: measuring the capture window failed")
+            return HostContext(0.0, note=f"measuring the host failed: {type(exc).__name__}: {exc}")
 
     def _analyze(self, record: CaptureRecord) -> None:
         """Analyse the trace in a worker process (xprof needs 200-450 MB the agent must not hold)."""
@@ -188,6 +211,10 @@ class CaptureService:
             if comparison is not None:
                 result["comparison"] = {**comparison, "baseline_id": base.id}
                 result["summary"] = f"{comparison['summary']} ({result['summary']})"
+        if apply(result, record.host, record.rule) is not None and record.rule and self.policy.forgive(
+                record.rule, frozenset(t["address"] for t in record.targets)):  # the trace's verdict + the host
+            log.info("capture %s found host contention: rule %s's cooldown for job %s is lifted", record.id,
+                     record.rule, record.job)
         record.status, record.analysis = "done", result
         log.info("capture %s analysed: job=%s %s", record.id, record.job, result.get("summary"))
 

@@ -114,6 +114,11 @@ class JobRegistry:
                              "profiler=False, or its reports were not trusted)")
         return [list(g.values()) for _, g in sorted(groups.items())]
 
+    def processes(self, job: str) -> list[ProcessView]:
+        """The job's reporting processes (pid, whether the kernel vouched for it, its profiler)."""
+        with self._lock:
+            return [p for p in self._processes if p.job == job]
+
     def jobs(self) -> set[str]:
         with self._lock:
             return {p.job for p in self._processes}

@@ -31,6 +31,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from .hostcontext import HostContext
 from .statedir import StateDir, mkdir_at
 
 log = logging.getLogger("tfprofd.records")
@@ -63,6 +64,7 @@ class CaptureRecord:
     directory: str = ""
     analysis: dict[str, Any] | None = None
     context: dict[str, Any] | None = None  # the job's samples/s and batch size when the capture was asked for
+    host: HostContext | None = None  # what the host was doing over the capture window (hostcontext.py)
 
     def public(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,7 +79,8 @@ class CaptureRecord:
             "duration_ms": (int,), "mode": (str,), "rule": (str, type(None)), "alert": (str, type(None)),
             "gpu": (str, type(None)), "status": (str,), "reason": (str, type(None)), "detail": (str, type(None)),
             "started_at": (int, float, type(None)), "finished_at": (int, float, type(None)), "files": (list,),
-            "bytes": (int,), "directory": (str,), "analysis": (dict, type(None)), "context": (dict, type(None))}
+            "bytes": (int,), "directory": (str,), "analysis": (dict, type(None)), "context": (dict, type(None)),
+            "host": (dict, type(None))}
         required = {"id", "trigger", "job", "targets", "requested_at", "duration_ms", "mode"}
         values = {}
         for name, types in kinds.items():
@@ -97,6 +100,8 @@ class CaptureRecord:
             raise ValueError("field 'targets' must be a list of objects of strings")
         if not all(isinstance(f, str) for f in values.get("files", [])):
             raise ValueError("field 'files' must be a list of strings")
+        if values.get("host") is not None:
+            values["host"] = HostContext.from_json(values["host"])
         return cls(**values)
 
 
