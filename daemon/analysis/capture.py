@@ -5,11 +5,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from .classify import STRAGGLER
 from .model import PART_WORDS, CaptureAnalysis, Straggler, WorkerAnalysis
 from .worker import analyze_worker
 from .xprof import find_traces
-
-STRAGGLER = 1.10  # a worker whose steps are 10% slower than the others' median
 
 
 def analyze(path: Path, verbose: bool = False) -> CaptureAnalysis:

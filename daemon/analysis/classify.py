@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model import WorkerAnalysis
+from .model import Evidence, WorkerAnalysis
 
 # Thresholds, all shares of time, so no verdict hinges on the machine's speed.
 INPUT_BOUND = 0.20  # xprof's "highly input-bound"
@@ -15,6 +15,13 @@ KERNEL_LAUNCH = 0.15  # xprof's "highly kernel-launch bound"
 ALL_OTHERS = 0.15  # xprof's "highly all-others bound"
 DEVICE_BUSY = 0.50  # the device computes at least half the step
 OPS_BUSY = 0.50  # on a CPU, the framework's ops run at least half the step
+STRAGGLER = 1.10  # a worker (or GPU) whose steps are 10% slower than the others' median
+LAUNCH_THREAD_BUSY = 0.80  # the thread launching a GPU's kernels runs most of the GPU's step
+SHORT_KERNEL_US = 50.0  # kernels this short on average finish before the next one is launched
+# The evidence a verdict needs before tfprofd recommends a change: steps seen, and the share of the
+# capture from the first step to the last.
+MIN_STEPS = 3
+MIN_SPAN = 0.10
 
 RECOMMENDATIONS = {
     "input": "Make the input pipeline keep up: dataset.map(..., num_parallel_calls=tf.data.AUTOTUNE), "
@@ -36,20 +43,66 @@ RECOMMENDATIONS = {
 }
 
 
+LAUNCH_BOUND = ("Launch fewer, longer kernels: compile the step with XLA (jit_compile=True) so its ops fuse, and "
+                "raise the batch size so each kernel does more work.")
+GPU_PRIVATE_SET = ("Cut the host time around each step: run callbacks and post-processing every N steps or move them "
+                   "into the graph (tf.function, Keras metrics); fuse ops with XLA (jit_compile=True). "
+                   "TF_GPU_THREAD_MODE=gpu_private is already set (the trace has tf_gpu_private threads).")
+
+
 @dataclass(frozen=True)
 class Verdict:
-    """A bottleneck kind and one sentence with its numbers."""
+    """A bottleneck kind, one sentence with its numbers, and what to try."""
 
     kind: str
     why: str
+    recommendation: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.recommendation:
+            object.__setattr__(self, "recommendation", RECOMMENDATIONS[self.kind])
 
     @property
     def summary(self) -> str:
         return f"{self.kind}: {self.why}"
 
-    @property
-    def recommendation(self) -> str:
-        return RECOMMENDATIONS[self.kind]
+
+def evidence(steps: int, span_share: float | None, capture_seconds: float) -> Evidence:
+    """How strong the evidence of ``steps`` spanning ``span_share`` of the capture is."""
+    sufficient = steps >= MIN_STEPS and (span_share is None or span_share >= MIN_SPAN)
+    return Evidence(steps=steps, span_share=span_share, capture_seconds=capture_seconds, sufficient=sufficient)
+
+
+def conclude(w: WorkerAnalysis) -> tuple[Verdict, str]:
+    """The worker's verdict and its summary; below the evidence floor the summary says so and the
+    recommendation asks for a better capture instead of a change."""
+    verdict = classify(w)
+    ev = w.evidence
+    if verdict.kind == "unknown" or ev is None or ev.sufficient:
+        return verdict, verdict.summary
+    note = f"too little to conclude from {ev.sentence()}"
+    advice = (f"Too little to conclude from {ev.sentence()}: capture again for longer while the job trains (at "
+              f"least {MIN_STEPS} steps spanning {MIN_SPAN:.0%} of the capture) before changing anything.")
+    return Verdict(verdict.kind, verdict.why, advice), f"{verdict.kind} ({note}): {verdict.why}"
+
+
+def _launch_bound(w: WorkerAnalysis, step: float) -> Verdict | None:
+    """A GPU waiting on the host thread that launches its kernels, that thread busy the whole step."""
+    launch, b, ms = w.launch, w.breakdown, w.breakdown_ms
+    if launch is None or b is None or ms is None or launch.thread_busy < LAUNCH_THREAD_BUSY \
+            or launch.mean_kernel_us > SHORT_KERNEL_US:
+        return None
+    idle = max(0.0, 1 - b.device_compute)
+    why = (f"launch-bound: the thread launching {launch.device}'s kernels ({launch.thread.split('/')[0]}) runs "
+           f"{launch.thread_busy:.0%} of each {step:.1f} ms step to launch {launch.kernels_per_step:.0f} kernels of "
+           f"{launch.mean_kernel_us:.0f} µs each on average, so the GPU computes {b.device_compute:.0%} "
+           f"({ms.device_compute:.1f} ms) and waits {idle:.0%} ({step - ms.device_compute:.1f} ms) for the next "
+           "kernel")
+    if launch.gpu_private:
+        why += " (TF_GPU_THREAD_MODE=gpu_private is already set: tf_gpu_private threads)"
+        return Verdict("host", why, LAUNCH_BOUND)
+    return Verdict("host", why, LAUNCH_BOUND + " Set TF_GPU_THREAD_MODE=gpu_private so launches get threads "
+                                               "of their own.")
 
 
 def classify(w: WorkerAnalysis) -> Verdict:
@@ -72,16 +125,20 @@ def classify(w: WorkerAnalysis) -> Verdict:
                                     f"the first step to the last is spent between steps, {r.between_steps_input:.0%} "
                                     f"of it waiting for the next batch (steps take {step:.1f} ms)")
         return Verdict("host", f"{r.between_steps:.0%} of the time between the first and last step is spent between "
-                               f"steps (callbacks, post-processing; steps take {step:.1f} ms)")
+                               f"steps (callbacks, post-processing; steps take {step:.1f} ms)",
+                       GPU_PRIVATE_SET if w.launch is not None and w.launch.gpu_private else "")
+    gpu_private = w.launch is not None and w.launch.gpu_private
+    host_advice = GPU_PRIVATE_SET if gpu_private else ""
     if b.kernel_launch >= KERNEL_LAUNCH:
-        return Verdict("host", f"kernel launches take {b.kernel_launch:.0%} of each {step:.1f} ms step")
+        return Verdict("host", f"kernel launches take {b.kernel_launch:.0%} of each {step:.1f} ms step", host_advice)
     if b.host_to_device >= TRANSFER:
         return Verdict("transfer", f"host-to-device copies take {b.host_to_device:.0%} of each {step:.1f} ms step")
     if w.hardware not in ("CPU_ONLY", ""):
         if b.other >= ALL_OTHERS and b.device_compute < 1 - ALL_OTHERS:
-            return Verdict("host", f"{b.other:.0%} of each {step:.1f} ms step ({ms.other:.1f} ms) is untraced host "
-                                   f"time ('all others': Python, I/O or waiting on other workers) while the GPU "
-                                   f"computes {b.device_compute:.0%} ({ms.device_compute:.1f} ms)")
+            return _launch_bound(w, step) or Verdict(
+                "host", f"{b.other:.0%} of each {step:.1f} ms step ({ms.other:.1f} ms) is untraced host time ('all "
+                        f"others': Python, I/O or waiting on other workers) while the GPU computes "
+                        f"{b.device_compute:.0%} ({ms.device_compute:.1f} ms)", host_advice)
         if b.device_compute >= DEVICE_BUSY:
             return Verdict("device", f"compute-bound: the GPU computes {b.device_compute:.0%} of each {step:.1f} ms "
                                      f"step ({ms.device_compute:.1f} ms)")

@@ -237,6 +237,92 @@ class Ops:
         return cls(**{kind: tuple(OpTime.from_json(o) for o in _list(data, kind)) for kind in OP_KINDS})
 
 
+def _strs(data: dict[str, Any], key: str) -> tuple[str, ...]:
+    return tuple(str(v) for v in _list(data, key))
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """How much the verdict rests on: the steps seen and the share of the capture they span."""
+
+    steps: int
+    span_share: float | None  # of the capture, from the first step's start to the last one's end
+    capture_seconds: float
+    sufficient: bool  # enough to conclude (classify.MIN_STEPS steps over classify.MIN_SPAN of the capture)
+
+    def sentence(self) -> str:
+        steps = f"{self.steps} step{'' if self.steps == 1 else 's'}"
+        if self.span_share is None:
+            return f"{steps} in a {self.capture_seconds:.2f} s capture"
+        return f"{steps} covering {self.span_share:.0%} of a {self.capture_seconds:.2f} s capture"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"steps": self.steps, "span_share": self.span_share, "capture_seconds": self.capture_seconds,
+                "sufficient": self.sufficient, "sentence": self.sentence()}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Evidence:
+        data = _obj(data, "evidence")
+        steps = data.get("steps", 0)
+        return cls(steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else 0,
+                   span_share=_float(data, "span_share"), capture_seconds=_num(data, "capture_seconds"),
+                   sufficient=data.get("sufficient") is not False)
+
+
+@dataclass(frozen=True)
+class DeviceAnalysis:
+    """One GPU of a worker: its steps, how busy its kernels keep it within them, its copies."""
+
+    name: str  # "GPU:4"
+    steps: int = 0  # on its own ``Steps`` line
+    step_ms: float | None = None  # mean
+    busy: float | None = None  # share of its steps its kernels run
+    kernels: int = 0  # in the capture
+    copies_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def idle(self) -> float | None:
+        return None if self.busy is None else max(0.0, 1 - self.busy)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "steps": self.steps, "step_ms": self.step_ms, "busy": self.busy,
+                "idle": self.idle, "kernels": self.kernels, "copies_ms": dict(self.copies_ms)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> DeviceAnalysis:
+        data = _obj(data, "device")
+        copies = _obj(data.get("copies_ms") or {}, "copies")
+        steps, kernels = data.get("steps", 0), data.get("kernels", 0)
+        return cls(name=_str(data, "name"), steps=steps if isinstance(steps, int) else 0,
+                   step_ms=_float(data, "step_ms"), busy=_float(data, "busy"),
+                   kernels=kernels if isinstance(kernels, int) else 0,
+                   copies_ms={str(k): _num(copies, k) for k in copies})
+
+
+@dataclass(frozen=True)
+class LaunchFacts:
+    """The host thread that launches a GPU's work, within that GPU's steps."""
+
+    device: str  # the GPU it launches for
+    thread: str  # its line name in the trace (``tf_gpu_private_6/1085868292``)
+    thread_busy: float  # share of the GPU's steps the thread runs
+    kernels_per_step: float
+    mean_kernel_us: float
+    gpu_private: bool  # TF_GPU_THREAD_MODE=gpu_private is set: the trace has tf_gpu_private threads
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device": self.device, "thread": self.thread, "thread_busy": self.thread_busy,
+                "kernels_per_step": self.kernels_per_step, "mean_kernel_us": self.mean_kernel_us,
+                "gpu_private": self.gpu_private}
+
+    @classmethod
+    def from_json(cls, data: Any) -> LaunchFacts:
+        data = _obj(data, "launch")
+        return cls(device=_str(data, "device"), thread=_str(data, "thread"), thread_busy=_num(data, "thread_busy"),
+                   kernels_per_step=_num(data, "kernels_per_step"), mean_kernel_us=_num(data, "mean_kernel_us"),
+                   gpu_private=data.get("gpu_private") is True)
+
+
 @dataclass(frozen=True)
 class WorkerAnalysis:
     """One worker's trace: its steps, their parts, its ops, and what bound its steps."""
@@ -264,6 +350,12 @@ class WorkerAnalysis:
     input_bound_ratio: float | None = None
     cycle_ms: float | None = None  # a step and the time after it until the next
     between_ms: BetweenSteps | None = None
+    evidence: Evidence | None = None
+    devices: tuple[DeviceAnalysis, ...] = ()  # every GPU of the worker, busiest first
+    idle_devices: tuple[str, ...] = ()  # GPUs that ran no kernel
+    straggling_device: str | None = None
+    devices_summary: str | None = None  # one sentence on the GPUs, where the worker has several
+    launch: LaunchFacts | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -283,6 +375,10 @@ class WorkerAnalysis:
             out["input_bound_ratio"] = self.input_bound_ratio
         if self.cycle_ms is not None and self.between_ms is not None:
             out["cycle_ms"], out["between_ms"] = self.cycle_ms, self.between_ms.to_json()
+        out["evidence"] = self.evidence.to_json() if self.evidence else None
+        out.update({"devices": [d.to_json() for d in self.devices], "idle_devices": list(self.idle_devices),
+                    "straggling_device": self.straggling_device, "devices_summary": self.devices_summary,
+                    "launch": self.launch.to_json() if self.launch else None})
         return out
 
     @classmethod
@@ -314,7 +410,13 @@ class WorkerAnalysis:
             breakdown=StepParts.from_json(data["breakdown"]) if has_parts else None,
             input_bound_ratio=_float(data, "input_bound_ratio") if has_parts else None,
             cycle_ms=_float(data, "cycle_ms") if has_between else None,
-            between_ms=BetweenSteps.from_json(data["between_ms"]) if has_between else None)
+            between_ms=BetweenSteps.from_json(data["between_ms"]) if has_between else None,
+            evidence=Evidence.from_json(data["evidence"]) if data.get("evidence") else None,
+            devices=tuple(DeviceAnalysis.from_json(d) for d in _list(data, "devices")),
+            idle_devices=_strs(data, "idle_devices"),
+            straggling_device=data.get("straggling_device") if isinstance(data.get("straggling_device"), str) else None,
+            devices_summary=data.get("devices_summary") if isinstance(data.get("devices_summary"), str) else None,
+            launch=LaunchFacts.from_json(data["launch"]) if data.get("launch") else None)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .classify import MIN_SPAN, MIN_STEPS
 from .model import OP_KINDS, PART_WORDS, CaptureAnalysis
 
 
@@ -27,6 +28,12 @@ def report(a: CaptureAnalysis) -> str:
             step = f"{other.step_time_ms.mean:.2f} ms" if other.steps and other.step_time_ms else "no steps"
             lines.append(f"  {other.host}: {step}, {other.bottleneck}")
     lines.append(f"trace: {w.trace}" + (f" ({w.hardware})" if w.hardware else ""))
+    if w.evidence is not None and w.steps:
+        lines.append(f"evidence: {w.evidence.sentence()}" + ("" if w.evidence.sufficient else
+                     f": too little to conclude (a verdict needs {MIN_STEPS} steps spanning {MIN_SPAN:.0%} of the "
+                     "capture)"))
+    if w.devices_summary:
+        lines.append(f"GPUs: {w.devices_summary}")
     r = w.ratios
     if w.steps and w.step_time_ms is not None and w.breakdown_ms is not None and w.breakdown is not None:
         st = w.step_time_ms

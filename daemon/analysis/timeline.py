@@ -28,6 +28,29 @@ class DeviceOpTimes:
 
 
 @dataclass
+class DeviceEvents:
+    """One GPU plane: its ``Steps`` line, its kernels and its memory copies."""
+
+    name: str  # "GPU:4"
+    steps: list[Interval] = field(default_factory=list)
+    kernels: list[Interval] = field(default_factory=list)
+    copies_ms: dict[str, float] = field(default_factory=dict)
+
+
+COPY_KINDS = {"H2D": ("H2D", "HtoD"), "D2H": ("D2H", "DtoH"), "D2D": ("D2D", "DtoD"), "P2P": ("P2P", "PtoP")}
+LAUNCH_THREADS = ("tf_Compute", "tf_numa", "tf_inter_op", "tf_gpu")  # host threads that run ops and launch kernels
+
+
+def copy_kind(*names: str) -> str | None:
+    """The kind of memory copy the first name that tells says (``MemcpyDtoD`` and ``MemcpyD2D`` alike)."""
+    for name in names:
+        for kind, spellings in COPY_KINDS.items():
+            if any(s in name for s in spellings):
+                return kind
+    return None
+
+
+@dataclass
 class Events:
     """What ``read_events`` gathers from a trace for finding steps and measuring them."""
 
@@ -43,6 +66,8 @@ class Events:
     input_ops: set[str] = field(default_factory=set)
     device_ops: dict[str, DeviceOpTimes] = field(default_factory=dict)
     copies_ms: dict[str, float] = field(default_factory=dict)
+    devices: dict[str, DeviceEvents] = field(default_factory=dict)  # every GPU plane, by name ("GPU:4")
+    threads: dict[str, list[Interval]] = field(default_factory=dict)  # the host's launch threads' events
 
 
 @dataclass(frozen=True)
@@ -67,6 +92,8 @@ class Timeline:
     input_ops: frozenset[str] = frozenset()
     device_ops: dict[str, DeviceOpTimes] = field(default_factory=dict)
     copies_ms: dict[str, float] = field(default_factory=dict)
+    devices: tuple[DeviceEvents, ...] = ()  # every GPU plane, in the trace's order
+    threads: dict[str, list[Interval]] = field(default_factory=dict)  # host launch threads, merged
     error: str | None = None  # why the timeline could not be read (xprof's facts still stand)
 
     @property
@@ -91,18 +118,25 @@ def read_events(trace: Path) -> Events:
             if stats.get("profile_start_time") and stats.get("profile_stop_time"):
                 ev.window = (stats["profile_start_time"], stats["profile_stop_time"])
         host = plane.name.startswith("/host")
+        device = None
+        if plane.name.startswith("/device:GPU:"):
+            device = ev.devices.setdefault(plane.name, DeviceEvents(plane.name.removeprefix("/device:")))
         plane_ops: list[tuple[int, int, str]] = []
         kernels: list[tuple[int, int, str]] = []
         for line in plane.lines:
             base = line.timestamp_ns * 1000
-            compute_thread = host and line.name.startswith(("tf_Compute", "tf_numa", "tf_inter_op", "tf_gpu"))
+            compute_thread = host and line.name.startswith(LAUNCH_THREADS)
             data_thread = host and line.name.startswith("tf_data")
+            thread = ev.threads.setdefault(line.name, []) if compute_thread else None
+            copy_line = "Memcpy" in line.name and "Compute" not in line.name
             for event in line.events:
                 start = base + event.offset_ps
                 end = start + event.duration_ps
                 ev.low = start if ev.low is None else min(ev.low, start)
                 ev.high = end if ev.high is None else max(ev.high, end)
                 name = names.get(event.metadata_id, "")
+                if thread is not None:
+                    thread.append((start, end))
                 if host:
                     if step_stats and any(st.metadata_id in step_stats for st in event.stats):
                         ev.host_steps.append((start, end))
@@ -120,13 +154,21 @@ def read_events(trace: Path) -> Events:
                         ev.input_ops.add(name.split(":")[0])
                 elif line.name == "Steps":
                     ev.device_steps.setdefault(plane.name, []).append((start, end))
+                    if device is not None:
+                        device.steps.append((start, end))
                 elif line.name == "TensorFlow Ops":
                     plane_ops.append((start, end, name))
-                elif "Memcpy" in line.name or name.startswith("Memcpy"):
-                    kind = next((k for k in ("H2D", "D2H", "D2D", "P2P") if k in line.name or k in name), "other")
-                    ev.copies_ms[kind] = ev.copies_ms.get(kind, 0.0) + event.duration_ps / 1e9
+                elif name.startswith("Memcpy") or copy_line:
+                    # the event's own name first: one stream's line may carry several kinds of copy
+                    kind = copy_kind(name, line.name) or "other"
+                    ms = event.duration_ps / 1e9
+                    ev.copies_ms[kind] = ev.copies_ms.get(kind, 0.0) + ms
+                    if device is not None:
+                        device.copies_ms[kind] = device.copies_ms.get(kind, 0.0) + ms
                 elif line.name.startswith("Stream"):
                     kernels.append((start, end, name))
+                    if device is not None:
+                        device.kernels.append((start, end))
         _attach_kernels(sorted(plane_ops), kernels, ev.device_ops)
     return ev
 
@@ -152,7 +194,8 @@ def timeline(trace: Path) -> Timeline:
         loops=ev.loops and host_marked, window=ev.window,
         between_steps_input=covered(merge(ev.fetches), gaps) if gaps and ev.fetches else 0.0,
         ops_busy=covered(merge(ev.ops), markers) if host_marked and ev.ops else None,
-        input_ops=frozenset(ev.input_ops), device_ops=ev.device_ops, copies_ms=ev.copies_ms)
+        input_ops=frozenset(ev.input_ops), device_ops=ev.device_ops, copies_ms=ev.copies_ms,
+        devices=tuple(ev.devices.values()), threads={name: merge(spans) for name, spans in ev.threads.items() if spans})
 
 
 def _attach_kernels(plane_ops: list[tuple[int, int, str]], kernels: list[tuple[int, int, str]],

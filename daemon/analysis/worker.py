@@ -12,12 +12,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .classify import classify, versus_xprof
+from .classify import STRAGGLER, conclude, evidence, versus_xprof
 from .model import (
     DEVICE_PARTS,
     PART_TYPES,
     BetweenSteps,
+    DeviceAnalysis,
     KernelTime,
+    LaunchFacts,
     Ops,
     OpTime,
     Ratios,
@@ -25,7 +27,7 @@ from .model import (
     StepTime,
     WorkerAnalysis,
 )
-from .timeline import Steps, Timeline, timeline
+from .timeline import DeviceEvents, Interval, Steps, Timeline, covered, merge, timeline
 from .xprof import AnalysisError, host_of, num, private_session, quiet, rows, steps_from_opstats, steps_from_table, tool
 
 
@@ -116,9 +118,85 @@ def analyze_worker(trace: Path, verbose: bool = False) -> WorkerAnalysis:
         gap = cycle - w.step_time_ms.mean
         w = replace(w, cycle_ms=cycle, between_ms=BetweenSteps(gap * w.ratios.between_steps_input,
                                                                gap * (1 - w.ratios.between_steps_input)))
-    verdict = classify(w)
-    return replace(w, bottleneck=verdict.kind, why=verdict.why, summary=verdict.summary,
+    w = replace(w, evidence=evidence(count, _span_share(steps, line), line.capture_s), **_devices(line))
+    verdict, summary = conclude(w)
+    if len(w.devices) > 1 and w.idle_devices:
+        summary += f"; {len(w.idle_devices)} of {len(w.devices)} GPUs ran no kernels ({', '.join(w.idle_devices)})"
+    return replace(w, bottleneck=verdict.kind, why=verdict.why, summary=summary,
                    recommendation=verdict.recommendation, xprof_differs=versus_xprof(w, verdict.kind))
+
+
+def _span_share(steps: list[dict[str, float]], line: Timeline) -> float | None:
+    """Share of the capture from the first step's start to the last one's end (None if unknown)."""
+    if not steps or not line.capture_s:
+        return None
+    if line.markers:
+        span_s = (line.markers[-1][1] - line.markers[0][0]) / 1e12
+    else:  # xprof's own step begins, on its own clock
+        span_s = (steps[-1]["begin_ms"] + steps[-1]["step_ms"] - steps[0]["begin_ms"]) / 1000
+    return min(1.0, span_s / line.capture_s)
+
+
+def _in(intervals: list[Interval], windows: list[Interval]) -> list[Interval]:
+    """The intervals that start within one of the (merged, sorted) windows."""
+    return [iv for iv in intervals if any(a <= iv[0] < b for a, b in windows)]
+
+
+def _device(d: DeviceEvents) -> DeviceAnalysis:
+    steps = merge(d.steps)
+    return DeviceAnalysis(name=d.name, steps=len(steps),
+                          step_ms=statistics.fmean(b - a for a, b in steps) / 1e9 if steps else None,
+                          busy=covered(merge(d.kernels), steps) if steps and d.kernels else (0.0 if steps else None),
+                          kernels=len(d.kernels), copies_ms=dict(d.copies_ms))
+
+
+def _launch(d: DeviceEvents, line: Timeline) -> LaunchFacts | None:
+    """The host thread that runs most of the GPU's steps, and the kernels it launched in them."""
+    windows = merge(d.steps)
+    kernels = _in(d.kernels, windows)
+    if not windows or not kernels or not line.threads:
+        return None
+    thread, busy = max(((name, covered(spans, windows)) for name, spans in line.threads.items()),
+                       key=lambda kv: kv[1])
+    return LaunchFacts(device=d.name, thread=thread, thread_busy=busy, kernels_per_step=len(kernels) / len(windows),
+                       mean_kernel_us=sum(b - a for a, b in kernels) / len(kernels) / 1e6,
+                       gpu_private=any(name.startswith("tf_gpu_private") for name in line.threads))
+
+
+def _devices(line: Timeline) -> dict[str, Any]:
+    """Each GPU (step, busy, idle, copies), those that ran nothing, a straggling one, and the launch thread
+    of the GPU with the longest steps."""
+    devices = [_device(d) for d in line.devices]
+    timed = sorted((d for d in devices if d.step_ms is not None and d.kernels), key=lambda d: -(d.step_ms or 0.0))
+    lead = next((d for d in line.devices if timed and d.name == timed[0].name), None)
+    out: dict[str, Any] = {"devices": tuple(devices), "idle_devices": tuple(d.name for d in devices if not d.kernels),
+                           "launch": _launch(lead, line) if lead is not None else None}
+    if len(devices) < 2:
+        return out
+    parts = []
+    for d in timed:
+        copies = "; copies " + ", ".join(f"{k} {ms:.1f} ms" for k, ms in sorted(d.copies_ms.items())) \
+            if d.copies_ms else ""
+        parts.append(f"{d.name} {d.step_ms:.1f} ms per step ({d.steps} step{'' if d.steps == 1 else 's'}; kernels "
+                     f"busy {d.busy or 0.0:.0%}, idle {d.idle or 0.0:.0%}{copies})")
+    ran = sum(1 for d in devices if d.kernels)
+    text = f"{len(devices)} GPUs, {ran} ran kernels" + (": " + ", ".join(parts) if parts else "")
+    idle = [d.name + (" (copies only)" if d.copies_ms else "") for d in devices if not d.kernels]
+    if idle:
+        text += f"; idle (no kernels): {', '.join(idle)}"
+    if len(timed) >= 2:
+        slowest, others = timed[0], [d.step_ms or 0.0 for d in timed[1:]]
+        median = statistics.median(others)
+        ratio = (slowest.step_ms or 0.0) / median - 1 if median else 0.0
+        if ratio >= STRAGGLER - 1:
+            out["straggling_device"] = slowest.name
+            text += (f"; {slowest.name} straggles: {slowest.step_ms:.1f} ms per step against {median:.1f} ms on the "
+                     f"others (+{ratio:.0%})")
+        else:
+            text += (f"; no straggling GPU ({slowest.name}'s steps are {ratio:.0%} longer than the others' "
+                     f"{median:.1f} ms, under {STRAGGLER - 1:.0%})")
+    out["devices_summary"] = text
+    return out
 
 
 def _ratios(w: WorkerAnalysis, steps: list[dict[str, float]], line: Timeline) -> Ratios:
