@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 
 from .classify import STRAGGLER
-from .model import PART_WORDS, CaptureAnalysis, Straggler, WorkerAnalysis
+from .model import ONE_WINDOW, PART_WORDS, CaptureAnalysis, Straggler, WorkerAnalysis
 from .worker import analyze_worker
 from .xprof import find_traces
 
@@ -21,12 +21,16 @@ def combine(workers: list[WorkerAnalysis]) -> CaptureAnalysis:
     timed = [w for w in workers if w.steps and w.cycle_ms is not None]
     lead = max(timed, key=lambda w: w.cycle_ms or 0.0) if timed else workers[0]
     windows = [w.window for w in workers if w.window]
-    skew = None
+    skew = overlap = None
     if len(windows) > 1:  # how far apart the workers' profiling sessions started (one window: milliseconds)
         skew = (max(a for a, _ in windows) - min(a for a, _ in windows)) / 1e6
+        shortest = min(b - a for a, b in windows)
+        common = min(b for _, b in windows) - max(a for a, _ in windows)
+        overlap = max(0.0, common / shortest) if shortest > 0 else 0.0
     straggler, summary = None, lead.summary
     others = [w.cycle_ms or 0.0 for w in timed if w is not lead]
-    if others and (lead.cycle_ms or 0.0) >= STRAGGLER * statistics.median(others):
+    separate = overlap is not None and overlap < ONE_WINDOW  # unrelated traces: no straggler among them
+    if others and not separate and (lead.cycle_ms or 0.0) >= STRAGGLER * statistics.median(others):
         def parts(w: WorkerAnalysis) -> dict[str, float]:
             assert w.breakdown_ms is not None and w.between_ms is not None  # timed workers have both
             return {**w.breakdown_ms.to_json(), **w.between_ms.to_json()}
@@ -41,4 +45,4 @@ def combine(workers: list[WorkerAnalysis]) -> CaptureAnalysis:
         straggler = Straggler(host=lead.host, part=part, delta_ms=delta, why=why)
         summary = f"straggler: {why}; {lead.summary}"
     return CaptureAnalysis(lead=lead, workers=tuple(workers), summary=summary, straggler=straggler,
-                           window_skew_ms=skew)
+                           window_skew_ms=skew, window_overlap=overlap)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,5 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"tfprofd analyze: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(result.to_json(), indent=1) if args.json else report(result))
+    try:
+        print(json.dumps(result.to_json(), indent=1) if args.json else report(result), flush=True)
+    except BrokenPipeError:  # the reader went away (`tfprofd analyze ... | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # as a shell reports a process killed by SIGPIPE
     return 0

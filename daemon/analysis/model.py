@@ -25,7 +25,7 @@ PART_WORDS = {"input_wait": "waiting for input", "host_to_device": "copying to t
               "between_steps_input": "between steps fetching the next batch",
               "between_steps_other": "between steps (callbacks, post-processing)"}
 DEVICE_PARTS = ("device_compute", "device_to_device", "device_collectives", "host_to_device", "output")
-KINDS = ("input", "transfer", "host", "device", "small_batch", "unknown")
+ONE_WINDOW = 0.5  # workers traced over one window: every session covers half the shortest one at least
 
 
 def _float(data: dict[str, Any], key: str, default: float | None = None) -> float | None:
@@ -254,7 +254,7 @@ class Evidence:
         steps = f"{self.steps} step{'' if self.steps == 1 else 's'}"
         if self.span_share is None:
             return f"{steps} in a {self.capture_seconds:.2f} s capture"
-        return f"{steps} covering {self.span_share:.0%} of a {self.capture_seconds:.2f} s capture"
+        return f"{steps} spanning {self.span_share:.0%} of a {self.capture_seconds:.2f} s capture"
 
     def to_json(self) -> dict[str, Any]:
         return {"steps": self.steps, "span_share": self.span_share, "capture_seconds": self.capture_seconds,
@@ -501,11 +501,14 @@ class Comparison:
     between_steps: Pair = (None, None)
     baseline_trace: str | None = None
     baseline_id: str | None = None
+    gone: tuple[OpChange, ...] = ()  # top ops of the baseline no longer among the incident's
+    faster: bool = False  # the incident's steps are faster than the baseline's
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "summary": self.summary, "step_ms": list(self.step_ms), "parts": [p.to_json() for p in self.parts],
-            "ops": [o.to_json() for o in self.ops], "samples_per_second": list(self.samples_per_second),
+            "ops": [o.to_json() for o in self.ops], "gone": [o.to_json() for o in self.gone], "faster": self.faster,
+            "samples_per_second": list(self.samples_per_second),
             "batch_size": list(self.batch_size), "ops_busy": list(self.ops_busy),
             "between_steps": list(self.between_steps), "baseline_trace": self.baseline_trace}
         if self.baseline_id is not None:
@@ -522,6 +525,7 @@ class Comparison:
         return cls(summary=_str(data, "summary"), step_ms=(before, after, delta),
                    parts=tuple(PartChange.from_json(p) for p in _list(data, "parts")),
                    ops=tuple(OpChange.from_json(o) for o in _list(data, "ops")),
+                   gone=tuple(OpChange.from_json(o) for o in _list(data, "gone")), faster=data.get("faster") is True,
                    samples_per_second=_pair(data, "samples_per_second"), batch_size=_pair(data, "batch_size"),
                    ops_busy=_pair(data, "ops_busy"), between_steps=_pair(data, "between_steps"),
                    baseline_trace=data.get("baseline_trace") if isinstance(data.get("baseline_trace"), str) else None,
@@ -542,7 +546,13 @@ class CaptureAnalysis:
     summary: str
     straggler: Straggler | None = None
     window_skew_ms: float | None = None  # how far apart the workers' profiling sessions started
+    window_overlap: float | None = None  # the share of the shortest session that every session covers
     comparison: Comparison | None = None
+
+    @property
+    def one_window(self) -> bool | None:
+        """Whether the workers were traced over one window (None if the traces do not say)."""
+        return None if self.window_overlap is None else self.window_overlap >= ONE_WINDOW
 
     @property
     def bottleneck(self) -> str:
@@ -566,6 +576,8 @@ class CaptureAnalysis:
                     "straggler": self.straggler.to_json() if self.straggler else None})
         if self.window_skew_ms is not None:
             out["window_skew_ms"] = self.window_skew_ms
+        if self.window_overlap is not None:
+            out["window_overlap"], out["one_window"] = self.window_overlap, self.one_window
         if self.comparison is not None:
             out["comparison"] = self.comparison.to_json()
         return out
@@ -580,5 +592,5 @@ class CaptureAnalysis:
         lead = next((w for w in workers if w.trace == lead.trace), None) or lead
         return cls(lead=lead, workers=workers or (lead,), summary=_str(data, "summary"),
                    straggler=Straggler.from_json(data["straggler"]) if data.get("straggler") else None,
-                   window_skew_ms=_float(data, "window_skew_ms"),
+                   window_skew_ms=_float(data, "window_skew_ms"), window_overlap=_float(data, "window_overlap"),
                    comparison=Comparison.from_json(data["comparison"]) if data.get("comparison") else None)

@@ -20,10 +20,15 @@ def report(a: CaptureAnalysis) -> str:
         lines.append(f"what changed: {a.comparison.summary}")
     lines += [f"bottleneck: {a.bottleneck}", f"why: {a.summary}", f"what to try: {a.recommendation}"]
     if len(a.workers) > 1:
-        window = (f", traced over one window (sessions started {a.window_skew_ms:.1f} ms apart)"
-                  if a.window_skew_ms is not None else "")
-        lines.append(f"workers: {len(a.workers)}{window}" + (f"; straggler: {a.straggler.why}"
-                                                             if a.straggler else "; no straggler"))
+        if a.one_window is False:
+            lines.append(f"workers: {len(a.workers)} traces from separate sessions, not one window (sessions started "
+                         f"{a.window_skew_ms or 0.0:.1f} ms apart, sharing {a.window_overlap or 0.0:.0%} of the "
+                         "shortest): each analysed on its own, no straggler compared; the lead is the slowest")
+        else:
+            window = (f", traced over one window (sessions started {a.window_skew_ms:.1f} ms apart)"
+                      if a.window_skew_ms is not None else "")
+            lines.append(f"workers: {len(a.workers)}{window}" + (f"; straggler: {a.straggler.why}"
+                                                                 if a.straggler else "; no straggler"))
         for other in a.workers:
             step = f"{other.step_time_ms.mean:.2f} ms" if other.steps and other.step_time_ms else "no steps"
             lines.append(f"  {other.host}: {step}, {other.bottleneck}")

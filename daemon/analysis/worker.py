@@ -30,6 +30,12 @@ from .model import (
 from .timeline import DeviceEvents, Interval, Steps, Timeline, covered, merge, timeline
 from .xprof import AnalysisError, host_of, num, private_session, quiet, rows, steps_from_opstats, steps_from_table, tool
 
+JUNK = ("", "dummy", "(null)", "None", "null")  # rows xprof fills with placeholders, not ops
+
+
+def _junk(name: Any) -> bool:
+    return name is None or str(name).split(":")[0].strip() in JUNK
+
 
 def _text(value: Any) -> str | None:
     return None if value is None else str(value)
@@ -47,11 +53,12 @@ def ops_per_step(op_stats: list[dict[str, Any]], pipeline: list[dict[str, Any]],
     def entry(name: Any, ms: float, **more: Any) -> OpTime:
         return OpTime(name=str(name), ms_per_step=ms / per, ms_total=ms, **more)
 
-    table = [o for o in (rows(op_stats[1]) if len(op_stats) > 1 else []) if o.get("type") != "IDLE"]
+    table = [o for o in (rows(op_stats[1]) if len(op_stats) > 1 else [])
+             if o.get("type") != "IDLE" and not _junk(o.get("operation"))]
     host = sorted((o for o in table if o.get("host_or_device") == "Host"), key=lambda o: -num(o.get("total_self_time")))
     in_data = [o for o in host if str(o.get("operation")).split(":")[0] in line.input_ops]
     iterators = [entry(o.get("opName"), num(o.get("selfTimeInMs")), category=_text(o.get("category")))
-                 for o in (rows(pipeline[2]) if len(pipeline) > 2 else [])]
+                 for o in (rows(pipeline[2]) if len(pipeline) > 2 else []) if not _junk(o.get("opName"))]
     inputs = sorted(iterators + [entry(o.get("operation"), num(o.get("total_self_time")) / 1000,
                                        category="tf.data function") for o in in_data],
                     key=lambda o: -o.ms_total)[:8]
@@ -60,12 +67,13 @@ def ops_per_step(op_stats: list[dict[str, Any]], pipeline: list[dict[str, Any]],
     device = [entry(op.name, op.ms, instances=len(op.ops), kernels=tuple(
         KernelTime(kernel=k[:160], ms_per_step=ms / per, ms_total=ms)
         for k, ms in sorted(op.kernels.items(), key=lambda kv: -kv[1])[:3]))
-        for op in sorted(line.device_ops.values(), key=lambda op: -op.ms)[:8]]
+        for op in sorted(line.device_ops.values(), key=lambda op: -op.ms) if not _junk(op.name)][:8]
     if not device:
         device = [entry(k.get("kernel_name"), num(k.get("total_duration_us")) / 1000, op=_text(k.get("op_name")),
                         tensor_core=bool(k.get("is_kernel_using_tensor_core")))
                   for k in sorted(rows(kernels) if isinstance(kernels, dict) else [],
-                                  key=lambda k: -num(k.get("total_duration_us")))[:8]]
+                                  key=lambda k: -num(k.get("total_duration_us")))
+                  if not _junk(k.get("kernel_name"))][:8]
     return Ops(input=tuple(inputs), host=tuple(hosts), device=tuple(device))
 
 
