@@ -196,8 +196,10 @@ def test_a_faster_incident_is_an_improvement_and_says_what_disappeared(plain):
     before, after, delta = comparison["step_ms"]
     assert comparison["faster"] and delta < 0
     summary = comparison["summary"]
+    cycles = analyze(str(plain["input_bottleneck"]))["cycle_ms"], result["cycle_ms"]  # a step and the time after it
     assert summary.startswith(f"faster than the baseline: step time {before:.1f} → {after:.1f} ms ({delta:+.1f} ms "
-                              "per step): "), summary
+                              f"per step), step to step {cycles[0]:.1f} → {cycles[1]:.1f} ms: "), summary
+    assert cycles[1] < 0.2 * cycles[0]
     assert summary.endswith("; now: device") and "cause:" not in summary, summary
     gone = {o["name"]: o["before_ms"] for o in comparison["gone"]}
     assert "Iterator::Root::Prefetch::MapAndBatch::Filter" in gone, gone
@@ -227,3 +229,7 @@ def test_op_names_that_change_from_run_to_run_are_one_op_in_the_diff(plain):
     assert ops == {"Iterator::Root::ForeverRepeat::Map": (5.0, 20.21), "sequential/dense/MatMul": (2.0, 2.5)}, ops
     assert "Iterator::Root::ForeverRepeat::Map self time ×4 (5.00 → 20.21 ms per step)" in comparison.summary
     assert "new" not in comparison.summary and not comparison.gone, comparison.summary
+    # Shorter steps with fewer samples/s (a smaller batch) are no improvement: throughput decides.
+    smaller = compare(after, before, rates=(100.0, 80.0), batches=(64.0, 16.0))
+    assert not smaller.faster and smaller.summary.startswith("samples/s 100 → 80 (-20%), batch 64 → 16, step time")
+    assert smaller.summary.endswith(f"cause: {before.bottleneck}") and smaller.step_ms[2] < 0, smaller.summary
