@@ -119,9 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(record, indent=1, sort_keys=True))
     elif record.get("analysis"):
-        from .analysis import report
+        from .analysis import CaptureAnalysis, report
 
-        print(report(record["analysis"]))
+        print(report(CaptureAnalysis.from_json(record["analysis"])))
     else:
         print(f"status: {record.get('status')}: {record.get('reason')}: {record.get('detail')}")
     return 0 if record.get("status") == "done" else 1

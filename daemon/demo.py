@@ -125,17 +125,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def check(record: dict[str, Any]) -> tuple[bool, str]:
     """Whether a finished capture found what the demo injected, and what to print about it."""
-    from .analysis import report
+    from .analysis import CaptureAnalysis, report
     from .hostcontext import HostContext
 
     head = f"capture {record['id']} ({record['trigger']}, rule {record['rule']}): {record['status']}"
     host = "\n".join(HostContext.from_json(record["host"]).lines()) if record.get("host") else ""
-    analysis = record.get("analysis")
-    if not analysis:
+    if not record.get("analysis"):
         return False, f"{head}\nno analysis: {record.get('reason')}: {record.get('detail')}"
+    analysis = CaptureAnalysis.from_json(record["analysis"])
     text = "\n".join(t for t in (head, report(analysis), host) if t)
-    if analysis.get("bottleneck") != INJECTED:
-        return False, (f"{text}\ntfprofd demo: the capture names {analysis.get('bottleneck')}, but the demo injected "
+    if analysis.bottleneck != INJECTED:
+        return False, (f"{text}\ntfprofd demo: the capture names {analysis.bottleneck}, but the demo injected "
                        f"an {INJECTED} bottleneck")
     return True, text
 

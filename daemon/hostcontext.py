@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 from tfprofd.exporter.base import Clock, HostPaths, parse_pressure
 
+from .analysis.model import CaptureAnalysis, HostVerdict
+
 if TYPE_CHECKING:
     from .jobs import JobRegistry
     from .sampler import Snapshot
@@ -402,8 +404,8 @@ class TraceVerdict:
     hardware: str
 
     @classmethod
-    def of(cls, analysis: Mapping[str, Any]) -> TraceVerdict:
-        return cls(str(analysis.get("bottleneck")), str(analysis.get("summary", "")), str(analysis.get("hardware", "")))
+    def of(cls, analysis: CaptureAnalysis) -> TraceVerdict:
+        return cls(analysis.lead.bottleneck, analysis.summary, analysis.lead.hardware)
 
 
 @dataclass(frozen=True)
@@ -440,19 +442,18 @@ def _fired(rule: str | None) -> str:
     return f" (rule {rule} fired while the host was contended)" if rule else ""
 
 
-def apply(analysis: dict[str, Any], host: HostContext | None, rule: str | None = None) -> Cause | None:
-    """Make the join's cause the analysis result's verdict, keeping the trace's own as ``trace_*``; when the host
-    was contended but the trace's verdict stands, say so in its summary. Returns the cause, if one replaced it."""
+def apply(analysis: CaptureAnalysis, host: HostContext | None,
+          rule: str | None = None) -> tuple[CaptureAnalysis, Cause | None]:
+    """The analysis with the join's cause leading (the trace's own verdict stays on its lead worker); when the
+    host was contended but the trace's verdict stands, its summary says so. Also returns the cause, if one leads."""
     cause = join(TraceVerdict.of(analysis), host, rule)
     if cause is not None:
-        analysis.update({"trace_bottleneck": cause.trace_kind, "trace_summary": cause.trace_summary,
-                         "trace_recommendation": analysis.get("recommendation"), "bottleneck": cause.kind,
-                         "why": cause.why, "recommendation": cause.recommendation,
-                         "summary": f"{cause.kind}: {cause.why}; the trace alone says {cause.trace_summary}"})
-    elif host is not None and host.contention is not None:
-        analysis["summary"] = (f"{analysis.get('summary')}; the host was contended too: {host.contention.why}"
-                               f"{_fired(rule)}")
-    return cause
+        return replace(analysis, host_verdict=HostVerdict(cause.kind, cause.why, cause.recommendation),
+                       summary=f"{cause.kind}: {cause.why}; the trace alone says {cause.trace_summary}"), cause
+    if host is not None and host.contention is not None:
+        return replace(analysis, summary=f"{analysis.summary}; the host was contended too: {host.contention.why}"
+                                         f"{_fired(rule)}"), None
+    return analysis, None
 
 
 # ---- the agent's part: windows around captures, and the sampler's series ----

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tfprofd.daemon.analysis import CaptureAnalysis
 from tfprofd.daemon.hostcontext import (
     HostContext,
     TraceVerdict,
@@ -117,30 +118,34 @@ def test_a_procfs_without_stat_is_an_error_not_a_guess(tmp_path):
 ])
 def test_the_join_names_contention_only_where_it_explains_the_step(kind, hardware, ratio, final):
     host = window()
-    analysis = {"bottleneck": kind, "summary": f"{kind}: the trace's sentence", "hardware": hardware,
-                "input_bound_ratio": ratio, "recommendation": "the trace's advice"}
-    cause = apply(analysis, host, rule="throughput_drop")
-    assert analysis["bottleneck"] == final
-    if final == "host_contention":
-        assert cause is not None and analysis["trace_bottleneck"] == kind
-        assert analysis["summary"].startswith("host_contention: other processes used 1.4 of 2 CPUs")
-        assert "(rule throughput_drop fired while the host was contended)" in analysis["summary"]
-        assert analysis["summary"].endswith(f"the trace alone says {kind}: the trace's sentence")
-        assert analysis["trace_recommendation"] == "the trace's advice"
-        assert "CPUs of its own" in analysis["recommendation"]
-    else:
-        assert cause is None and "trace_bottleneck" not in analysis
-        assert analysis["summary"] == (f"{kind}: the trace's sentence; the host was contended too: "
-                                       f"{host.contention.why} (rule throughput_drop fired while the host was "
-                                       "contended)")
+    analysis = CaptureAnalysis.from_json({"bottleneck": kind, "summary": f"{kind}: the trace's sentence",
+                                          "hardware": hardware, "input_bound_ratio": ratio,
+                                          "recommendation": "the trace's advice"})
+    joined, cause = apply(analysis, host, rule="throughput_drop")
+    stored = CaptureAnalysis.from_json(json.loads(json.dumps(joined.to_json())))  # as a record keeps it
+    for result in (joined, stored):
+        assert result.bottleneck == final
+        if final == "host_contention":
+            assert cause is not None and result.lead.bottleneck == kind
+            assert result.summary.startswith("host_contention: other processes used 1.4 of 2 CPUs")
+            assert "(rule throughput_drop fired while the host was contended)" in result.summary
+            assert result.summary.endswith(f"the trace alone says {kind}: the trace's sentence")
+            assert result.lead.recommendation == "the trace's advice"
+            assert "CPUs of its own" in result.recommendation
+            assert result.to_json()["trace_bottleneck"] == kind
+        else:
+            assert cause is None and "trace_bottleneck" not in result.to_json()
+            assert result.summary == (f"{kind}: the trace's sentence; the host was contended too: "
+                                      f"{host.contention.why} (rule throughput_drop fired while the host was "
+                                      "contended)")
 
 
 def test_no_contention_leaves_the_trace_verdict_alone():
     quiet = HostContext(2.0, 2, 0.6, 0.0, 0.0, {}, job_cores=0.5, job_wait_cores=0.01, tfprofd_cores=0.05,
                         other_cores=0.05)
-    analysis = {"bottleneck": "device", "summary": "device: compute-bound", "hardware": "CPU_ONLY"}
-    assert apply(analysis, quiet) is None and apply(analysis, None) is None
-    assert analysis == {"bottleneck": "device", "summary": "device: compute-bound", "hardware": "CPU_ONLY"}
+    analysis = CaptureAnalysis.from_json({"bottleneck": "device", "summary": "device: compute-bound",
+                                          "hardware": "CPU_ONLY"})
+    assert apply(analysis, quiet) == (analysis, None) and apply(analysis, None) == (analysis, None)
     assert join(TraceVerdict.of(analysis), window()) is not None
 
 
