@@ -19,7 +19,7 @@ from prometheus_client.core import Metric
 
 from tfprofd.exporter.base import Clock, counter, gauge
 
-from .analysis import compare  # stdlib-only at import: xprof loads in the analysis worker alone
+from .analysis import CaptureAnalysis, compare, with_comparison  # stdlib only: xprof loads in the worker alone
 from .config import CaptureSettings
 from .errors import AmbiguousJob, DomainError, StorageError
 from .jobs import JobRegistry, Target
@@ -173,24 +173,28 @@ class CaptureService:
         timeout = self.settings().analysis_timeout
         outcome = self.analysis_workers.run("tfprofd.daemon.analysis", [record.directory, "--json", "--viewer-cache"],
                                             "", timeout)
-        result = outcome.result
-        if result is None or "error" in result:
-            detail = (result or {}).get("error") or {"timeout": f"analysis did not finish within {timeout:.0f}s",
-                                                     "stopped": "the agent stopped during the analysis"}.get(
-                outcome.status, outcome.detail)
+        raw = outcome.result
+        result, detail = None, (raw or {}).get("error") if raw is not None else None
+        if raw is not None and detail is None:
+            try:
+                result = CaptureAnalysis.from_json(raw)
+            except ValueError as exc:
+                detail = f"the analysis worker printed a malformed analysis: {exc}"
+        if result is None:
+            detail = detail or {"timeout": f"analysis did not finish within {timeout:.0f}s",
+                                "stopped": "the agent stopped during the analysis"}.get(outcome.status, outcome.detail)
             reason = "agent_stopped" if outcome.status == "stopped" else "analysis_error"
             record.status, record.reason, record.detail = "analysis_failed", reason, detail
             log.warning("capture %s: analysis failed: %s (raw files kept in %s)", record.id, detail, record.directory)
             return
         base = self.baseline_of(record)
-        if base is not None:
+        if base is not None and base.analysis is not None:
             comparison = compare(base.analysis, result, _context(base, record, "samples_per_second"),
                                  _context(base, record, "batch_size"))
             if comparison is not None:
-                result["comparison"] = {**comparison, "baseline_id": base.id}
-                result["summary"] = f"{comparison['summary']} ({result['summary']})"
+                result = with_comparison(result, replace(comparison, baseline_id=base.id))
         record.status, record.analysis = "done", result
-        log.info("capture %s analysed: job=%s %s", record.id, record.job, result.get("summary"))
+        log.info("capture %s analysed: job=%s %s", record.id, record.job, result.summary)
 
     def _save(self, record: CaptureRecord) -> None:
         if self._stopped and record.status in ACTIVE:  # stop() saved it final
@@ -217,7 +221,7 @@ class CaptureService:
 
     def _baselines_locked(self, job: str, analysed: bool = True) -> list[CaptureRecord]:
         records = [r for r in self._records.values() if r.job == job and r.trigger == "baseline"
-                   and (not analysed or (r.status == "done" and r.analysis and r.analysis.get("steps")))]
+                   and (not analysed or (r.status == "done" and r.analysis is not None and r.analysis.steps))]
         return sorted(records, key=lambda r: -r.requested_at)
 
     def baseline_of(self, record: CaptureRecord) -> CaptureRecord | None:
@@ -298,15 +302,14 @@ class CaptureService:
         analysed = sorted(latest.items())
         yield gauge("capture_input_bound_ratio", "Input-bound ratio (input wait / step time) of the job's latest "
                     "analysed capture.", ["training_job"],
-                    (([job], r.analysis["input_bound_ratio"]) for job, r in analysed
-                     if isinstance(r.analysis.get("input_bound_ratio"), (int, float))))
+                    (([job], r.analysis.lead.input_bound_ratio) for job, r in analysed
+                     if r.analysis is not None and r.analysis.lead.input_bound_ratio is not None))
         yield gauge("capture_step_seconds", "Mean step time in the job's latest analysed capture, in seconds.",
-                    ["training_job"], (([job], r.analysis["step_time_ms"]["mean"] / 1000) for job, r in analysed
-                                       if isinstance(r.analysis.get("step_time_ms"), dict)
-                                       and isinstance(r.analysis["step_time_ms"].get("mean"), (int, float))))
+                    ["training_job"], (([job], r.analysis.lead.step_time_ms.mean / 1000) for job, r in analysed
+                                       if r.analysis is not None and r.analysis.lead.step_time_ms is not None))
         yield gauge("capture_bottleneck_info", "Bottleneck named by the job's latest analysed capture; the value is "
-                    "1.", ["training_job", "kind"], (([job, str(r.analysis.get("bottleneck"))], 1)
-                                                     for job, r in analysed))
+                    "1.", ["training_job", "kind"], (([job, r.analysis.bottleneck], 1)
+                                                     for job, r in analysed if r.analysis is not None))
         yield gauge("capture_last_timestamp_seconds", "Unix time of the latest capture of the training job.",
                     ["training_job"], (([job], ts) for job, ts in sorted(last.items())))
         rows = []
@@ -316,9 +319,8 @@ class CaptureService:
             if base is not None:
                 pair.append(("baseline", base))
             for which, rec in pair:
-                for part, ms in (rec.analysis.get("breakdown_ms") or {}).items():
-                    if isinstance(ms, (int, float)):
-                        rows.append(([job, which, part], ms / 1000))
+                parts = rec.analysis.lead.breakdown_ms if rec.analysis is not None else None
+                rows.extend(([job, which, part], ms / 1000) for part, ms in (parts.items() if parts else []))
         yield gauge("capture_step_breakdown_seconds", "Mean time per step in each part of the step (waiting for input, "
                     "device compute, ...) in the job's latest analysed capture and in its baseline.",
                     ["training_job", "capture", "part"], rows)

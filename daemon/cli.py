@@ -190,9 +190,9 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(record, indent=1, sort_keys=True))
     elif record.get("analysis"):
-        from .analysis import report
+        from .analysis import CaptureAnalysis, report
 
-        print(report(record["analysis"]))
+        print(report(CaptureAnalysis.from_json(record["analysis"])))
     else:
         print(f"status: {record.get('status')}: {record.get('reason')}: {record.get('detail')}")
     return 0 if record.get("status") == "done" else 1
@@ -204,7 +204,7 @@ COMMANDS = {"run": cmd_run, "check-config": cmd_check_config, "capture": cmd_cap
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["analyze"]:
-        from .analysis import main as analyze_main
+        from .analysis.cli import main as analyze_main
 
         return analyze_main(argv[1:])
     if argv[:1] == ["demo"]:

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _watch(port: int, api_port: int, token_file: Path, timeout: float, processes: list[subprocess.Popen]) -> int:
-    from .analysis import report
+    from .analysis import CaptureAnalysis, report
 
     started = time.monotonic()
     while time.monotonic() - started < timeout:
@@ -140,7 +140,7 @@ def _watch(port: int, api_port: int, token_file: Path, timeout: float, processes
             record = captures[0]
             print(f"\ncapture {record['id']} ({record['trigger']}, rule {record['rule']}): {record['status']}")
             if record.get("analysis"):
-                print(report(record["analysis"]))
+                print(report(CaptureAnalysis.from_json(record["analysis"])))
                 return 0
             print(f"no analysis: {record.get('reason')}: {record.get('detail')}")
             return 1

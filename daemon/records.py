@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .analysis.model import CaptureAnalysis
+
 log = logging.getLogger("tfprofd.records")
 
 ID = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{6}$")
@@ -58,11 +60,13 @@ class CaptureRecord:
     files: list[str] = field(default_factory=list)
     bytes: int = 0
     directory: str = ""
-    analysis: dict[str, Any] | None = None
+    analysis: CaptureAnalysis | None = None
     context: dict[str, Any] | None = None  # the job's samples/s and batch size when the capture was asked for
 
     def public(self) -> dict[str, Any]:
-        return asdict(self)
+        out = {name: value for name, value in asdict(self).items() if name != "analysis"}
+        out["analysis"] = self.analysis.to_json() if self.analysis is not None else None
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> CaptureRecord:
@@ -94,6 +98,8 @@ class CaptureRecord:
             raise ValueError("field 'targets' must be a list of objects of strings")
         if not all(isinstance(f, str) for f in values.get("files", [])):
             raise ValueError("field 'files' must be a list of strings")
+        if values.get("analysis") is not None:
+            values["analysis"] = CaptureAnalysis.from_json(values["analysis"])
         return cls(**values)
 
 

@@ -1,10 +1,12 @@
-"""The analysis on a real GPU trace (../shared/traces/v100-bert-mirrored: BERT fine-tuning under
-MirroredStrategy on 8 × V100, from the public tensorflow/profiler repository): coherent numbers, device ops
-with their kernels, a verdict with its numbers, and why it differs from xprof's own conclusion."""
+"""The analysis on a real GPU trace (tests/fixtures/traces/v100-bert-mirrored.xplane.pb.xz: BERT fine-tuning
+under MirroredStrategy on 8 × V100, from the public tensorflow/profiler repository; provenance in
+tests/fixtures/traces/README.md): coherent numbers, device ops with their kernels, a verdict with its
+numbers, and why it differs from xprof's own conclusion."""
 
 from __future__ import annotations
 
 import json
+import lzma
 import math
 import shutil
 import subprocess
@@ -13,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tfprofd.daemon.analysis import report
+from tfprofd.daemon.analysis import CaptureAnalysis, report
 
-from helpers import ROOT
+from helpers import FIXTURES
 
-TRACE_DIR = ROOT.parent / "shared" / "traces" / "v100-bert-mirrored"
+RECORDED = FIXTURES / "traces" / "v100-bert-mirrored.xplane.pb.xz"
 
 
 def analyze(*args: str) -> subprocess.CompletedProcess:
@@ -26,10 +28,17 @@ def analyze(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def v100() -> dict:
-    if not TRACE_DIR.exists():
-        pytest.fail(f"{TRACE_DIR} is missing: the repository's shared/ folder holds the real traces")
-    result = analyze(str(TRACE_DIR), "--json")
+def trace_dir(tmp_path_factory) -> Path:
+    """The trace in the layout TensorBoard writes (``plugins/profile/<run>/<host>.xplane.pb``)."""
+    run = tmp_path_factory.mktemp("v100") / "plugins" / "profile" / "2020_12_23_demo"
+    run.mkdir(parents=True)
+    (run / "34.83.195.179_6003.xplane.pb").write_bytes(lzma.decompress(RECORDED.read_bytes()))
+    return run.parent.parent.parent
+
+
+@pytest.fixture(scope="module")
+def v100(trace_dir) -> dict:
+    result = analyze(str(trace_dir), "--json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -68,9 +77,9 @@ def test_the_verdict_has_its_numbers_and_says_why_it_differs_from_xprof(v100):
     assert "no wait for input" in v100["xprof_differs"] and "input wait 0.0 ms" in v100["xprof_differs"]
 
 
-def test_the_report_reads_well_and_xprof_stays_quiet(tmp_path):
+def test_the_report_reads_well_and_xprof_stays_quiet(trace_dir, tmp_path):
     alone = tmp_path / "just-a-file.xplane.pb"  # a standalone trace, outside any plugins/profile layout
-    shutil.copy(next(TRACE_DIR.glob("**/*.xplane.pb")), alone)
+    shutil.copy(next(trace_dir.glob("**/*.xplane.pb")), alone)
     result = analyze(str(alone))
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", result.stderr[:500]  # xprof's C++ log lines go nowhere without --verbose
@@ -85,6 +94,8 @@ def test_the_report_reads_well_and_xprof_stays_quiet(tmp_path):
 
 
 def test_report_takes_an_analysis_of_a_standalone_trace(v100):
-    text = report({**v100, "trace": "/tmp/x.xplane.pb"})
+    moved = {**v100, "trace": "/tmp/x.xplane.pb", "workers": [{**w, "trace": "/tmp/x.xplane.pb"}
+                                                                 for w in v100["workers"]]}
+    text = report(CaptureAnalysis.from_json(moved))
     assert "bottleneck: host" in text and "open in the viewer" not in text
-    assert Path(v100["trace"]).name in report(v100)
+    assert Path(v100["trace"]).name in report(CaptureAnalysis.from_json(v100))
