@@ -45,7 +45,7 @@ CASES = (
     *(Case(source, cause, seconds=SECONDS[cause])
       for source in (*KERAS_SOURCES, "custom_unmarked") for cause in ("input", "callback", "compute", "small_batch")),
     # steps_per_execution=8: one marker per 8 steps run in a while loop (an input wait of 50 ms per step)
-    *(Case(source, cause, 8, seconds=3.0 if cause == "input" else 1.0, read_delay=0.05 if cause == "input" else None)
+    *(Case(source, cause, 8, seconds=2.0, read_delay=0.05 if cause == "input" else None)
       for source in KERAS_SOURCES for cause in ("input", "compute")),
 )
 

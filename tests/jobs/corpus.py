@@ -38,7 +38,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("logdir")
     p.add_argument("--steps-per-execution", type=int, default=1, help="Keras sources only")
     p.add_argument("--seconds", type=float, default=1.0, help="how long to profile (about)")
-    p.add_argument("--read-delay", type=float, help="input cause: seconds each batch's read waits (default: the cause's)")
+    p.add_argument("--read-delay", type=float, help="input cause: seconds each batch's read waits")
     p.add_argument("--warmup", type=float, default=3.0, help="train this long before profiling")
     return p.parse_args()
 
