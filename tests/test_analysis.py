@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import job_reporting, metric_value, start_training, wait_capture, wait_for
+from helpers import FIXTURES, job_reporting, metric_value, start_training, wait_capture, wait_for
 
 pytestmark = pytest.mark.tf
 
@@ -102,3 +103,16 @@ def test_idle_process_gives_empty_trace_and_the_stub_is_deleted(unmarked, tmp_pa
     assert not list(Path(record["directory"]).glob("**/*.xplane.pb"))
     assert agent.proc.poll() is None
     shutil.rmtree(record["directory"], ignore_errors=True)
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["report", "json"])
+def test_a_reader_that_goes_away_ends_the_analysis_quietly(tmp_path, as_json):
+    """`tfprofd analyze ... | head`: the reader closes the pipe before the report is written."""
+    trace = tmp_path / "localhost.xplane.pb"
+    trace.write_bytes(lzma.decompress((FIXTURES / "traces" / "plain-small_batch.xplane.pb.xz").read_bytes()))
+    proc = subprocess.Popen([sys.executable, "-m", "tfprofd.daemon", "analyze", str(trace), *(["--json"] * as_json)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before anything is written: every write meets a closed pipe
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, stderr
+    assert stderr == "", stderr  # no BrokenPipeError traceback, no "Exception ignored" at exit

@@ -154,6 +154,42 @@ def test_a_failed_analysis_ends_the_record_and_a_good_one_finishes_it(tmp_path, 
     assert captures.policy.busy() == frozenset()
 
 
+GOOD_ANALYSIS = {"host": "w0", "trace": "/x/w0.xplane.pb", "bottleneck": "input", "why": "input-bound: 40% of each "
+                 "10.0 ms step waits for input (4.0 ms)", "summary": "input: input-bound", "recommendation": "prefetch",
+                 "hardware": "CPU_ONLY", "steps": 12, "capture_seconds": 1.0,
+                 "step_time_ms": {"mean": 10.0, "stdev": 1.0, "min": 9.0, "max": 12.0},
+                 "breakdown_ms": {"input_wait": 4.0, "host_compute": 6.0},
+                 "breakdown": {"input_wait": 0.4, "host_compute": 0.6}, "input_bound_ratio": 0.4,
+                 "ops": {"input": [{"name": "Iterator::Map", "ms_per_step": 3.0, "ms_total": 36.0}]},
+                 "evidence": {"steps": 12, "span_share": 0.9, "capture_seconds": 1.0, "sufficient": True}}
+
+
+@pytest.mark.parametrize("printed, status", [({**GOOD_ANALYSIS, "steps": "many"}, "analysis_failed"),
+                                             ({**GOOD_ANALYSIS, "ops": {"input": "Map"}}, "analysis_failed"),
+                                             (GOOD_ANALYSIS, "done")], ids=["steps", "ops", "good"])
+def test_the_analysis_worker_output_is_read_into_the_typed_record(tmp_path, monkeypatch, printed, status):
+    """What the analysis worker prints is checked at the process boundary: a malformed analysis fails the record
+    with the field named; a good one is stored, and reads back the same from disk."""
+    captures = service(tmp_path)
+    monkeypatch.setattr(captures.capture_workers, "run",
+                        lambda *a, **k: Outcome("ok", {"status": "done", "files": ["x.xplane.pb"], "rpc_sent_at": 1.0}))
+    monkeypatch.setattr(captures.analysis_workers, "run", lambda *a, **k: Outcome("ok", printed))
+    [record] = captures.request("manual")
+    wait_for(lambda: captures.get(record.id).status not in ("running", "analyzing"), 10, message="the record to end")
+    record = captures.get(record.id)
+    assert record.status == status, record.detail
+    if status != "done":
+        assert record.detail.startswith("the analysis worker printed a malformed analysis: analysis field"), \
+            record.detail
+        assert record.analysis is None
+        return
+    assert record.analysis.lead.step_time_ms.mean == 10.0 and record.analysis.lead.ops.input[0].name == "Iterator::Map"
+    [reloaded] = [r for r in RecordStore(tmp_path).load() if r.id == record.id]
+    assert reloaded.analysis == record.analysis
+    bottleneck = next(f for f in captures.collect() if f.name == "tfprofd_capture_bottleneck_info")
+    assert [s.labels for s in bottleneck.samples] in ([], [{"training_job": record.job, "kind": "input"}])
+
+
 def test_no_space_for_the_record_is_a_storage_error_that_frees_the_process(tmp_path, monkeypatch):
     captures = service(tmp_path)
 

@@ -58,6 +58,18 @@ def _op_changes(baseline: CaptureAnalysis, incident: CaptureAnalysis) -> tuple[l
     return sorted(changed, key=lambda o: -abs(o.delta_ms)), sorted(gone, key=lambda o: o.delta_ms)
 
 
+def _faster(before: float, after: float, rates: Pair, batches: Pair, kind: str) -> bool:
+    """Whether the incident trains faster than the baseline: by samples/s where the job reported them, else by
+    time per sample where the batch sizes are known, else by the time from one step to the next (``before``,
+    ``after``: the step with the time after it), unless the incident's steps are mostly per-step overhead
+    (small_batch: a shorter step then carries less work, not more speed)."""
+    if rates[0] and rates[1]:
+        return rates[1] >= (1 + FASTER) * rates[0]
+    if batches[0] and batches[1]:
+        return after / batches[1] <= (1 - FASTER) * before / batches[0]
+    return after <= (1 - FASTER) * before and kind != "small_batch"
+
+
 def compare(baseline: CaptureAnalysis, incident: CaptureAnalysis, rates: Pair = (None, None),
             batches: Pair = (None, None)) -> Comparison | None:
     """What changed from the job's baseline capture to this one (None if either has no steps)."""
@@ -66,7 +78,7 @@ def compare(baseline: CaptureAnalysis, incident: CaptureAnalysis, rates: Pair = 
             or b.breakdown_ms is None or i.breakdown_ms is None:
         return None
     before, after = b.step_time_ms.mean, i.step_time_ms.mean
-    faster = after <= (1 - FASTER) * before
+    faster = _faster(b.cycle_ms or before, i.cycle_ms or after, rates, batches, i.bottleneck)
     parts = sorted((PartChange(p, b.breakdown_ms[p], i.breakdown_ms[p], i.breakdown_ms[p] - b.breakdown_ms[p])
                     for p in PART_TYPES), key=lambda d: -abs(d.delta_ms))
     changed, gone = _op_changes(baseline, incident)
@@ -79,6 +91,8 @@ def compare(baseline: CaptureAnalysis, incident: CaptureAnalysis, rates: Pair = 
     if batches[0] and batches[1] and batches[0] != batches[1]:
         lead.append(f"batch {batches[0]:.0f} → {batches[1]:.0f}")
     lead.append(f"step time {before:.1f} → {after:.1f} ms ({after - before:+.1f} ms per step)")
+    if b.cycle_ms and i.cycle_ms and max(b.cycle_ms / before, i.cycle_ms / after) >= 1.25:  # much time between steps
+        lead.append(f"step to step {b.cycle_ms:.1f} → {i.cycle_ms:.1f} ms")
     detail = ", ".join(f"{d.delta_ms:+.1f} ms {PART_WORDS[d.part]}"
                        for d in _parts_that_moved(parts, after - before, i.bottleneck))
     if between[0] is not None and between[1] is not None and abs(between[1] - between[0]) >= 0.2 \

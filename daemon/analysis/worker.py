@@ -7,6 +7,7 @@ step.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -164,7 +165,13 @@ def _span_share(steps: list[dict[str, float]], line: Timeline) -> float | None:
 
 def _in(intervals: list[Interval], windows: list[Interval]) -> list[Interval]:
     """The intervals that start within one of the (merged, sorted) windows."""
-    return [iv for iv in intervals if any(a <= iv[0] < b for a, b in windows)]
+    starts = [a for a, _ in windows]
+    out = []
+    for iv in intervals:
+        i = bisect.bisect_right(starts, iv[0]) - 1
+        if i >= 0 and iv[0] < windows[i][1]:
+            out.append(iv)
+    return out
 
 
 def _device(d: DeviceEvents) -> DeviceAnalysis:
