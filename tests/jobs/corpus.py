@@ -5,8 +5,9 @@
 
 Sources: ``hook_keras3`` / ``hook_tf_keras`` (fit with TfprofdCallback's markers, under Keras 3 or tf_keras),
 ``keras3_tensorboard`` (Keras 3's ``TensorBoard(profile_batch=(a, b))``: its own "Profiled batch" markers),
-``tf_keras_fit`` (tf_keras's own ``Trace("train", step_num, _r=1)`` in fit, profiled by its TensorBoard
-callback), ``custom_markers`` / ``custom_unmarked`` (a custom loop with or without ``Trace`` step markers).
+``tf_keras_fit`` (tf_keras's own ``Trace("train", step_num, _r=1)`` in fit, profiled with
+tf.profiler.experimental.start/stop), ``custom_markers`` / ``custom_unmarked`` (a custom loop with or without
+``Trace`` step markers).
 Causes: ``input`` (a slow tf.data read), ``callback`` (slow host work after each step), ``compute`` (a big
 model), ``small_batch`` (batch 2 of a tiny model: per-step overhead dominates).
 
@@ -114,17 +115,19 @@ class Timer(keras.callbacks.Callback):
 
 
 class Window(keras.callbacks.Callback):
-    """Profiles executions [first, last) with tf.profiler.experimental.start/stop, then ends the fit. Listed first,
-    so the session records before the other callbacks' batch-begin hooks (the hook's marker starts there)."""
+    """Profiles from execution ``first`` for ARGS.seconds (at least 3 executions) with
+    tf.profiler.experimental.start/stop, then ends the fit. Listed first, so the session records before the other
+    callbacks' batch-begin hooks (the hook's marker starts there)."""
 
-    def __init__(self, first: int, last: int, logdir: str):
+    def __init__(self, first: int, logdir: str):
         super().__init__()
-        self.first, self.last, self.logdir, self.seen = first, last, logdir, 0
+        self.first, self.logdir, self.seen, self.started = first, logdir, 0, 0.0
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.seen == self.first:
             tf.profiler.experimental.start(self.logdir)
-        elif self.seen == self.last:
+            self.started = time.perf_counter()
+        elif self.seen >= self.first + 3 and time.perf_counter() - self.started >= ARGS.seconds:
             tf.profiler.experimental.stop()
             self.model.stop_training = True
         self.seen += 1
@@ -160,14 +163,12 @@ def fit(model: keras.Model) -> int:
     first = 2
     if ARGS.source == "keras3_tensorboard":
         # The TensorBoard callback's markers start in its batch-begin hook and end in its batch-end hook; the
-        # post-processing callback listed after it runs between them (as callbacks=[tensorboard, mine] do).
+        # post-processing callback listed after it runs between them (as callbacks=[tensorboard, mine] do). It
+        # profiles a range of batches: as many as the warm-up's pace fits in ARGS.seconds.
         callbacks = [keras.callbacks.TensorBoard(ARGS.logdir, profile_batch=(first + 1, first + executions)),
                      *extra, Stop(first + executions)]
-    elif ARGS.source == "tf_keras_fit":
-        callbacks = [keras.callbacks.TensorBoard(ARGS.logdir, profile_batch=(first + 1, first + executions)),
-                     *extra, Stop(first + executions)]
-    else:
-        callbacks = [Window(first, first + executions, ARGS.logdir), *hook, *extra]
+    else:  # tf_keras's fit marks its steps itself whenever a session records
+        callbacks = [Window(first, ARGS.logdir), *hook, *extra]
     model.fit(ds, epochs=1, steps_per_epoch=10**6, callbacks=callbacks, verbose=0)
     return executions
 
