@@ -145,3 +145,63 @@ def test_the_same_model_slowed_is_compared_with_its_healthy_trace(logdirs, pair)
     assert before == pytest.approx(EXPECTED[base][1], rel=0.05), comparison
     assert after == pytest.approx(EXPECTED[incident][1], rel=0.05), comparison
     assert comparison["summary"].endswith(f": {EXPECTED[incident][0]}"), comparison["summary"]
+
+
+def _space(calls: int, marker: str | None = None):
+    """A host plane whose Python thread runs tf.function 'train_step' ``calls`` times (inside a step marker named
+    ``marker`` without _r=1, if given) and one 'evaluate' call."""
+    from tfprofd.daemon.protos import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/host:CPU")
+    for i, name in enumerate(("tf_function_call", "step_num")):
+        plane.stat_metadata[i + 1].id, plane.stat_metadata[i + 1].name = i + 1, name
+    for i, name in enumerate(("train_step", "evaluate", marker or "unused")):
+        plane.event_metadata[i + 1].id, plane.event_metadata[i + 1].name = i + 1, name
+    line = plane.lines.add(name="python", timestamp_ns=1000)
+    for n in range(calls):
+        if marker:
+            line.events.add(metadata_id=3, offset_ps=n * 10**9, duration_ps=9 * 10**8).stats.add(metadata_id=2,
+                                                                                                 int64_value=n)
+        line.events.add(metadata_id=1, offset_ps=n * 10**9 + 10**6, duration_ps=8 * 10**8).stats.add(
+            metadata_id=1, str_value="")
+    line.events.add(metadata_id=2, offset_ps=calls * 10**9, duration_ps=10**6).stats.add(metadata_id=1, str_value="")
+    return space
+
+
+def test_steps_are_inferred_only_from_a_repeated_tf_function_and_only_those_are_marked_for_xprof(tmp_path):
+    from tfprofd.daemon.analysis.timeline import find_steps, read_events
+    from tfprofd.daemon.analysis.xprof import _rewritten
+    from tfprofd.daemon.protos import xplane_pb2
+
+    for calls, source in ((2, "none"), (3, "inferred")):
+        trace = tmp_path / f"{calls}.xplane.pb"
+        trace.write_bytes(_space(calls).SerializeToString())
+        steps = find_steps(read_events(trace))
+        assert (steps.source, len(steps.markers)) == (source, calls if source == "inferred" else 0), steps
+    assert steps.function == "train_step" and "3 executions of tf.function 'train_step'" in steps.found
+    marked = xplane_pb2.XSpace.FromString(_rewritten(trace.read_bytes(), False, False, "train_step"))
+    plane = marked.planes[0]
+    stat = {m.name: i for i, m in plane.stat_metadata.items()}
+    events = plane.lines[0].events
+    assert [{plane.stat_metadata[s.metadata_id].name: s.int64_value for s in e.stats if s.metadata_id != stat[
+        "tf_function_call"]} for e in events] == [{"_r": 1, "step_num": 1}, {"_r": 1, "step_num": 2},
+                                                  {"_r": 1, "step_num": 3}, {}]  # 'evaluate' stays as it was
+    assert [e.offset_ps for e in events] == [e.offset_ps for e in _space(3).planes[0].lines[0].events]
+
+
+def test_markers_without_r_are_steps_and_get_it_for_xprof(tmp_path):
+    from tfprofd.daemon.analysis.timeline import find_steps, read_events
+    from tfprofd.daemon.analysis.xprof import _rewritten
+    from tfprofd.daemon.protos import xplane_pb2
+
+    trace = tmp_path / "pb.xplane.pb"
+    trace.write_bytes(_space(4, marker="Profiled batch").SerializeToString())
+    steps = find_steps(read_events(trace))
+    assert steps.source == "host markers" and steps.unrooted and len(steps.markers) == 4, steps
+    assert steps.found == "step markers ('Profiled batch', without _r=1)"
+    plane = xplane_pb2.XSpace.FromString(_rewritten(trace.read_bytes(), False, True, None)).planes[0]
+    names = {i: m.name for i, m in plane.event_metadata.items()}
+    rooted = [names[e.metadata_id] for e in plane.lines[0].events
+              if any(plane.stat_metadata[s.metadata_id].name == "_r" for s in e.stats)]
+    assert rooted == ["Profiled batch"] * 4
