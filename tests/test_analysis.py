@@ -50,7 +50,7 @@ def unmarked(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("analysis")
     (tmp / "tfprofd.yaml").write_text("rules: []\n")
     agent = AgentProcess(tmp, args=["--config", str(tmp / "tfprofd.yaml"), "--captures.max-per-hour", "100"]).start()
-    job = start_training(agent.hook_port, "--job", "plain", "--no-markers", "--seconds", "60")
+    job = start_training(agent.hook_port, "--job", "plain", "--no-markers", "--seconds", "600")  # killed at the end
     try:
         wait_for(lambda: (metric_value(agent.scrape(), "tfprofd_training_steps_total", training_job="plain") or 0) > 50,
                  90, message="the unmarked job to train")
@@ -64,13 +64,15 @@ def unmarked(tmp_path_factory):
         agent.stop()
 
 
-def test_trace_without_step_markers_is_unknown_with_a_reason(unmarked):
+def test_a_fit_without_step_markers_gets_inferred_steps_and_says_so(unmarked):
     agent, record = unmarked
     assert record["status"] == "done", record
     analysis = record["analysis"]
-    assert analysis["bottleneck"] == "unknown" and analysis["steps"] == 0
-    assert "no training steps" in analysis["summary"] and "step markers" in analysis["recommendation"]
-    assert metric_value(agent.scrape(), "tfprofd_capture_bottleneck_info", training_job="plain", kind="unknown") == 1
+    assert analysis["steps_inferred"] is True and analysis["steps"] > 0, analysis["summary"]
+    assert "executions of tf.function 'multi_step_on_iterator'" in analysis["steps_found"], analysis["steps_found"]
+    kind = analysis["bottleneck"]
+    assert kind != "unknown", analysis["summary"]
+    assert metric_value(agent.scrape(), "tfprofd_capture_bottleneck_info", training_job="plain", kind=kind) == 1
     # xprof's cache files sit beside the trace and count in the record's bytes.
     directory = Path(record["directory"])
     trace = directory / record["files"][0]

@@ -15,6 +15,12 @@ KERNEL_LAUNCH = 0.15  # xprof's "highly kernel-launch bound"
 ALL_OTHERS = 0.15  # xprof's "highly all-others bound"
 DEVICE_BUSY = 0.50  # the device computes at least half the step
 OPS_BUSY = 0.50  # on a CPU, the framework's ops run at least half the step
+# Untraced host time inside a CPU step (Python callbacks run inside tf_keras's step marker) is a host cause from
+# this share of the step, once it is longer than a framework's fixed per-step overhead (well under 1 ms): the
+# Python around a small batch's step is that overhead, not a cause of its own. The time between steps likewise
+# (a custom loop's own Python between inferred steps).
+UNTRACED_HOST = 0.30
+UNTRACED_HOST_MS = 2.0
 STRAGGLER = 1.10  # a worker (or GPU) whose steps are 10% slower than the others' median
 LAUNCH_THREAD_BUSY = 0.80  # the thread launching a GPU's kernels runs most of the GPU's step
 SHORT_KERNEL_US = 50.0  # kernels this short on average finish before the next one is launched
@@ -119,7 +125,8 @@ def classify(w: WorkerAnalysis) -> Verdict:
                                        f"({ms.host_to_device:.1f} ms)")
         return Verdict("input", f"input-bound: {input_bound:.0%} of each {step:.1f} ms step waits for input "
                                 f"({ms.input_wait + ms.host_to_device:.1f} ms)")
-    if r.between_steps is not None and r.between_steps >= BETWEEN_STEPS:
+    gap_ms = (w.cycle_ms or step) - step  # per step, the time until the next one
+    if r.between_steps is not None and r.between_steps >= BETWEEN_STEPS and gap_ms >= UNTRACED_HOST_MS:
         if r.between_steps_input >= 0.5:
             return Verdict("input", f"input-bound outside the step markers: {r.between_steps:.0%} of the time from "
                                     f"the first step to the last is spent between steps, {r.between_steps_input:.0%} "
@@ -144,6 +151,10 @@ def classify(w: WorkerAnalysis) -> Verdict:
                                      f"step ({ms.device_compute:.1f} ms)")
         return Verdict("small_batch", f"the GPU idles {r.device_idle or 0.0:.0%} of each {step:.1f} ms step with no "
                                       "input, host or transfer cause: too little work per step")
+    if b.other >= UNTRACED_HOST and ms.other >= UNTRACED_HOST_MS:
+        return Verdict("host", f"{b.other:.0%} of each {step:.1f} ms step ({ms.other:.1f} ms) is untraced host time "
+                               "inside the step (Python callbacks, post-processing, I/O: 'all others') while the "
+                               f"framework's ops run {r.ops_busy or b.host_compute:.0%} of it", host_advice)
     busy = r.ops_busy
     if busy is not None and busy < OPS_BUSY:
         return Verdict("small_batch", f"the framework's ops run only {busy:.0%} of each {step:.2f} ms step: the rest "

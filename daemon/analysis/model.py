@@ -341,6 +341,8 @@ class WorkerAnalysis:
     xprof_differs: str | None = None
     executions: int | None = None  # steps_per_execution > 1: how many executions held the steps
     loops_hidden: bool = False
+    steps_found: str = ""  # how the steps were found, in words (timeline.Steps.found)
+    steps_inferred: bool = False  # no step markers: the steps are repeated executions of one tf.function
     ops: Ops = field(default_factory=Ops)
     copies_ms: dict[str, float] = field(default_factory=dict)
     ratios: Ratios = field(default_factory=Ratios)
@@ -368,6 +370,7 @@ class WorkerAnalysis:
             out["executions"] = self.executions
         if self.loops_hidden:
             out["loops_hidden"] = True
+        out["steps_found"], out["steps_inferred"] = self.steps_found, self.steps_inferred
         if self.step_time_ms is not None:
             out["step_time_ms"] = self.step_time_ms.to_json()
         if self.breakdown_ms is not None and self.breakdown is not None:
@@ -403,7 +406,8 @@ class WorkerAnalysis:
             window=(window[0], window[1]) if window else None, xprof_conclusion=_str(data, "xprof_conclusion"),
             xprof_differs=data.get("xprof_differs") if isinstance(data.get("xprof_differs"), str) else None,
             executions=executions if isinstance(executions, int) and not isinstance(executions, bool) else None,
-            loops_hidden=data.get("loops_hidden") is True, ops=Ops.from_json(data.get("ops")),
+            loops_hidden=data.get("loops_hidden") is True, steps_found=_str(data, "steps_found"),
+            steps_inferred=data.get("steps_inferred") is True, ops=Ops.from_json(data.get("ops")),
             copies_ms={str(k): _num(copies, k) for k in copies}, ratios=Ratios.from_json(data.get("ratios")),
             step_time_ms=StepTime.from_json(data["step_time_ms"]) if data.get("step_time_ms") is not None else None,
             breakdown_ms=StepParts.from_json(data["breakdown_ms"]) if has_parts else None,

@@ -45,6 +45,9 @@ def report(a: CaptureAnalysis) -> str:
         runs = f" in {w.executions} executions (steps_per_execution)" if w.executions else ""
         lines.append(f"steps: {w.steps}{runs} in a {w.capture_seconds:.2f} s capture, step time mean "
                      f"{st.mean:.2f} ms (stdev {st.stdev:.2f}, min {st.min:.2f}, max {st.max:.2f})")
+        if w.steps_found:
+            lines.append(f"steps found from: {w.steps_found}"
+                         + (" (the steps are inferred: no step markers in the trace)" if w.steps_inferred else ""))
         lines.append("step breakdown (parts of the step, adding up to it):")
         for part, ms in sorted(w.breakdown_ms.items(), key=lambda kv: -kv[1]):
             if ms > 0:

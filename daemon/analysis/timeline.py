@@ -3,7 +3,16 @@ step markers), the time between them, how busy the framework's ops keep a CPU wi
 tf.data runs, and on each GPU its device ops (with the kernels each launched) and memory copies.
 
 Steps are found in one place, ``find_steps``: every source of steps (host step markers, the device's own
-``Steps`` line) is a function of the events gathered in ``Events``.
+``Steps`` line, repeated executions of one tf.function) is a function of the events gathered in ``Events``:
+
+- host step markers: any host event with a ``step_num`` stat. tfprofd's hook, tf_keras's fit and custom loops
+  mark steps ``Trace("train", step_num=n, _r=1)``; Keras 3's ``TensorBoard(profile_batch=...)`` marks them
+  ``Trace("Profiled batch", step_num=n)`` without ``_r=1`` (xprof is handed a copy with it added). Training steps
+  per marker: its ``steps`` stat (the hook's) where it has one; else, where the steps run in a TF while loop
+  (``steps_per_execution > 1``), the input iterator's calls inside the marker;
+- the busiest GPU's ``Steps`` line;
+- no markers at all: the executions of the tf.function the Python thread runs most time in (a custom loop's
+  ``train_step``), each one step; such steps are *inferred*, and said to be.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ class DeviceEvents:
 
 
 COPY_KINDS = {"H2D": ("H2D", "HtoD"), "D2H": ("D2H", "DtoH"), "D2D": ("D2D", "DtoD"), "P2P": ("P2P", "PtoP")}
+ITERATOR_CALLS = ("IteratorGetNextOp::DoCompute", "IteratorGetNextAsOptionalOp::DoCompute")  # one per batch fetched
+MIN_CALLS = 3  # a tf.function executed this often in the capture can be the training step
 LAUNCH_THREADS = ("tf_Compute", "tf_numa", "tf_inter_op", "tf_gpu")  # host threads that run ops and launch kernels
 
 
@@ -68,6 +79,10 @@ class Events:
     copies_ms: dict[str, float] = field(default_factory=dict)
     devices: dict[str, DeviceEvents] = field(default_factory=dict)  # every GPU plane, by name ("GPU:4")
     threads: dict[str, list[Interval]] = field(default_factory=dict)  # the host's launch threads' events
+    marker_names: set[str] = field(default_factory=set)  # the host step markers' names
+    unrooted: bool = False  # some step marker lacks ``_r=1`` (Keras 3's "Profiled batch")
+    iterator_calls: list[Interval] = field(default_factory=list)  # the input iterator's get-next calls, any thread
+    functions: dict[str, list[Interval]] = field(default_factory=dict)  # tf.function calls from Python, by name
 
 
 @dataclass(frozen=True)
@@ -76,7 +91,14 @@ class Steps:
 
     markers: list[Interval]
     per_marker: float = 1.0  # steps_per_execution: training steps per marker
-    source: str = "none"  # "host markers", "device steps", or "none"
+    source: str = "none"  # "host markers", "device steps", "inferred" or "none"
+    found: str = ""  # how they were found, in words
+    unrooted: bool = False  # markers xprof ignores unless given ``_r=1``
+    function: str | None = None  # inferred steps: the tf.function whose executions they are
+
+    @property
+    def on_host(self) -> bool:
+        return self.source in ("host markers", "inferred")
 
 
 @dataclass(frozen=True)
@@ -88,6 +110,7 @@ class Timeline:
     loops: bool = False
     window: Interval | None = None
     between_steps_input: float = 0.0  # of the time between steps, the stepping thread fetching the next batch
+    input_wait_ms: float | None = None  # per step, the input iterator's calls inside the steps (waiting for input)
     ops_busy: float | None = None  # of the steps, the framework's ops running on a CPU
     input_ops: frozenset[str] = frozenset()
     device_ops: dict[str, DeviceOpTimes] = field(default_factory=dict)
@@ -113,6 +136,8 @@ def read_events(trace: Path) -> Events:
         step_stats = {i for i, name in stat_names.items() if name == "step_num"}
         count_stat = next((i for i, name in stat_names.items() if name == "steps"), None)
         loop_stat = next((i for i, name in stat_names.items() if name == "iter_num"), None)
+        root_stat = next((i for i, name in stat_names.items() if name == "_r"), None)
+        function_stat = next((i for i, name in stat_names.items() if name == "tf_function_call"), None)
         if plane.name == "Task Environment":
             stats = {stat_names.get(st.metadata_id): st.int64_value or st.uint64_value for st in plane.stats}
             if stats.get("profile_start_time") and stats.get("profile_stop_time"):
@@ -138,10 +163,16 @@ def read_events(trace: Path) -> Events:
                 if thread is not None:
                     thread.append((start, end))
                 if host:
+                    if name in ITERATOR_CALLS:
+                        ev.iterator_calls.append((start, end))
                     if step_stats and any(st.metadata_id in step_stats for st in event.stats):
                         ev.host_steps.append((start, end))
                         ev.marker_steps.append(next((st.int64_value or st.uint64_value for st in event.stats
-                                                     if st.metadata_id == count_stat), 1) or 1)
+                                                     if st.metadata_id == count_stat), 0))
+                        ev.marker_names.add(name)
+                        ev.unrooted |= not any(st.metadata_id == root_stat for st in event.stats)
+                    elif function_stat is not None and any(st.metadata_id == function_stat for st in event.stats):
+                        ev.functions.setdefault(name, []).append((start, end))
                     elif loop_stat is not None and not ev.loops and any(
                             st.metadata_id == loop_stat and (st.int64_value or st.uint64_value) > 0
                             for st in event.stats):
@@ -174,12 +205,44 @@ def read_events(trace: Path) -> Events:
 
 
 def find_steps(ev: Events) -> Steps:
-    """The steps: the host's step markers, else the busiest device's own ``Steps`` line."""
+    """The steps: the host's step markers, else the busiest device's own ``Steps`` line, else the executions
+    of the tf.function the Python thread spends most time in (see the module's docstring)."""
     if ev.host_steps:
-        return Steps(merge(ev.host_steps), statistics.fmean(ev.marker_steps) if ev.marker_steps else 1.0,
-                     "host markers")
+        markers = merge(ev.host_steps)
+        names = ", ".join(f"'{n}'" for n in sorted(ev.marker_names))
+        found = f"step markers ({names}" + (", without _r=1)" if ev.unrooted else ")")
+        per_marker, counted = _steps_per_marker(ev, markers)
+        if counted:
+            found += f"; {per_marker:.0f} steps per marker, counted from the input iterator's calls in the while loop"
+        return Steps(markers, per_marker, "host markers", found, ev.unrooted)
     device = max(ev.device_steps.values(), key=len, default=[])
-    return Steps(merge(device), 1.0, "device steps" if device else "none")
+    if device:
+        return Steps(merge(device), 1.0, "device steps", "the GPU's own steps line")
+    calls = {name: spans for name, spans in ev.functions.items() if len(spans) >= MIN_CALLS}
+    if calls:
+        name = max(calls, key=lambda n: sum(b - a for a, b in calls[n]))
+        return Steps(merge(calls[name]), 1.0, "inferred",
+                     f"inferred: no step markers; each of the {len(calls[name])} executions of tf.function '{name}' "
+                     "taken for a step", function=name)
+    return Steps([], 1.0, "none", "no step markers, no device steps, no repeated tf.function")
+
+
+def _steps_per_marker(ev: Events, markers: list[Interval]) -> tuple[float, bool]:
+    """Training steps per merged marker, and whether they were counted from the iterator's calls: the markers'
+    ``steps`` stat where any has one; else, where a while loop ran, the iterator's calls in each marker."""
+    if any(ev.marker_steps):
+        stated = [0] * len(markers)
+        for (start, _), steps in zip(ev.host_steps, ev.marker_steps, strict=True):
+            i = bisect.bisect_right(markers, (start, float("inf"))) - 1
+            stated[i] = max(stated[i], steps)
+        return statistics.fmean(s or 1 for s in stated), False
+    if not ev.loops or not ev.iterator_calls:
+        return 1.0, False
+    starts = sorted(a for a, _ in ev.iterator_calls)
+    counts = [bisect.bisect_left(starts, b) - bisect.bisect_left(starts, a) for a, b in markers]
+    if statistics.median(counts) <= 1:
+        return 1.0, False
+    return statistics.fmean(max(1, c) for c in counts), True
 
 
 def timeline(trace: Path) -> Timeline:
@@ -188,11 +251,15 @@ def timeline(trace: Path) -> Timeline:
     steps = find_steps(ev)
     markers = steps.markers
     gaps = [(a[1], b[0]) for a, b in itertools.pairwise(markers) if b[0] > a[1]]
-    host_marked = steps.source == "host markers"
+    host_marked = steps.on_host
+    calls = merge(ev.iterator_calls)
+    stepped = len(markers) * steps.per_marker
     return Timeline(
         capture_s=(ev.high - ev.low) / 1e12 if ev.low is not None and ev.high is not None else 0.0, steps=steps,
         loops=ev.loops and host_marked, window=ev.window,
         between_steps_input=covered(merge(ev.fetches), gaps) if gaps and ev.fetches else 0.0,
+        input_wait_ms=covered(calls, markers) * sum(b - a for a, b in markers) / 1e9 / stepped
+        if markers and calls else None,
         ops_busy=covered(merge(ev.ops), markers) if host_marked and ev.ops else None,
         input_ops=frozenset(ev.input_ops), device_ops=ev.device_ops, copies_ms=ev.copies_ms,
         devices=tuple(ev.devices.values()), threads={name: merge(spans) for name, spans in ev.threads.items() if spans})

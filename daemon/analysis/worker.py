@@ -90,7 +90,8 @@ def analyze_worker(trace: Path, verbose: bool = False) -> WorkerAnalysis:
         line = timeline(trace)
     except Exception as exc:  # an unreadable timeline must not hide what xprof could read
         line = Timeline(steps=Steps([]), error=f"{type(exc).__name__}: {exc}")
-    with private_session(trace, hide_loops=line.loops) as linked, quiet(verbose) as log_tail:
+    with private_session(trace, hide_loops=line.loops, root_markers=line.steps.unrooted,
+                         step_function=line.steps.function) as linked, quiet(verbose) as log_tail:
         try:
             overview = tool(linked, "overview_page")
             pipeline = tool(linked, "input_pipeline_analyzer")
@@ -111,11 +112,14 @@ def analyze_worker(trace: Path, verbose: bool = False) -> WorkerAnalysis:
                        capture_seconds=line.capture_s, window=line.window,
                        xprof_conclusion=str(props.get("input_conclusion", "")),
                        executions=len(steps) if per_marker > 1 else None, loops_hidden=line.loops,
+                       steps_found=line.steps.found, steps_inferred=line.steps.source == "inferred",
                        ops=ops_per_step(op_stats, pipeline, kernels, line, count), copies_ms=dict(line.copies_ms))
     if steps:
         times = [s["step_ms"] for s in steps]
         mean = statistics.fmean(times)
         breakdown_ms = StepParts(**{part: statistics.fmean(s[part] for s in steps) for part in PART_TYPES})
+        if line.loops:
+            breakdown_ms = _waits_in_loops(breakdown_ms, line.input_wait_ms)
         breakdown = breakdown_ms.scaled(1 / mean)
         w = replace(w, step_time_ms=StepTime(mean, statistics.pstdev(times), min(times), max(times)),
                     breakdown_ms=breakdown_ms, breakdown=breakdown,
@@ -133,6 +137,19 @@ def analyze_worker(trace: Path, verbose: bool = False) -> WorkerAnalysis:
         summary += f"; {len(w.idle_devices)} of {len(w.devices)} GPUs ran no kernels ({', '.join(w.idle_devices)})"
     return replace(w, bottleneck=verdict.kind, why=verdict.why, summary=summary,
                    recommendation=verdict.recommendation, xprof_differs=versus_xprof(w, verdict.kind))
+
+
+def _waits_in_loops(parts: StepParts, input_wait_ms: float | None) -> StepParts:
+    """The step's parts with the input iterator's waits inside a while loop (steps_per_execution > 1) counted as
+    waiting for input: xprof counts them as host compute there. The time moves from host compute, then from
+    "all others"; the parts still add up to the step."""
+    missing = (input_wait_ms or 0.0) - parts.input_wait
+    if missing <= 0:
+        return parts
+    from_compute = min(missing, parts.host_compute)
+    from_other = min(missing - from_compute, parts.other)
+    return replace(parts, input_wait=parts.input_wait + from_compute + from_other,
+                   host_compute=parts.host_compute - from_compute, other=parts.other - from_other)
 
 
 def _span_share(steps: list[dict[str, float]], line: Timeline) -> float | None:

@@ -63,32 +63,58 @@ def quiet(verbose: bool) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def private_session(trace: Path, hide_loops: bool = False) -> Iterator[Path]:
+def private_session(trace: Path, hide_loops: bool = False, root_markers: bool = False,
+                    step_function: str | None = None) -> Iterator[Path]:
     """A fresh directory holding only a link to the trace: xprof caches per directory, so a folder of
     several traces would give every one the first one's answers, and the user's folder stays as it was.
 
-    ``hide_loops``: hold a copy instead, without the loop-iteration ids of TensorFlow's executor events.
-    Where a trace has any TF while loop (Keras's steps_per_execution > 1 runs its steps in one, and so do
-    some models), xprof takes every loop iteration for a step and ignores the step markers, finding no
-    steps at all; without those ids it groups the trace by its step markers."""
+    Where xprof would not find the steps the timeline found, it gets a copy it can read them from:
+    ``hide_loops``: without the loop-iteration ids of TensorFlow's executor events. Where a trace has any TF
+    while loop (Keras's steps_per_execution > 1 runs its steps in one, and so do some models), xprof takes
+    every loop iteration for a step and ignores the step markers, finding no steps at all; without those
+    ids it groups the trace by its step markers. ``root_markers``: with ``_r=1`` on step markers that lack it
+    (Keras 3's "Profiled batch"), which xprof otherwise ignores. ``step_function``: with each execution of
+    that tf.function marked as a step (``_r=1``, ``step_num``), for traces without markers."""
     with tempfile.TemporaryDirectory(prefix="tfprofd-analysis-") as tmp:
         linked = Path(tmp) / trace.name
-        if hide_loops:
-            linked.write_bytes(_without_loop_ids(trace.read_bytes()))
+        if hide_loops or root_markers or step_function:
+            linked.write_bytes(_rewritten(trace.read_bytes(), hide_loops, root_markers, step_function))
         else:
             linked.symlink_to(trace.resolve())
         yield linked
 
 
-def _without_loop_ids(data: bytes) -> bytes:
-    """The trace with its ``iter_num`` stat renamed (every event and value is kept)."""
+def _rewritten(data: bytes, hide_loops: bool, root_markers: bool, step_function: str | None) -> bytes:
+    """The trace with its ``iter_num`` stat renamed, and ``_r=1`` (and ``step_num``) added to the events that
+    are steps (see private_session); every event and value is kept."""
     from ..protos import xplane_pb2
 
     space = xplane_pb2.XSpace.FromString(data)
     for plane in space.planes:
-        for meta in plane.stat_metadata.values():
-            if meta.name == "iter_num":
-                meta.name = "iter_num_hidden_by_tfprofd"
+        stats = {m.name: i for i, m in plane.stat_metadata.items()}
+        if hide_loops and "iter_num" in stats:
+            plane.stat_metadata[stats["iter_num"]].name = "iter_num_hidden_by_tfprofd"
+        if not plane.name.startswith("/host") or not (root_markers or step_function):
+            continue
+        for name in ("_r", "step_num"):
+            if name not in stats:
+                stats[name] = max([*plane.stat_metadata, *(m.id for m in plane.stat_metadata.values()), 0]) + 1
+                plane.stat_metadata[stats[name]].id = stats[name]
+                plane.stat_metadata[stats[name]].name = name
+        functions = {i for i, m in plane.event_metadata.items() if step_function and m.name == step_function}
+        called = stats.get("tf_function_call")
+        n = 0
+        for line in plane.lines:
+            for event in line.events:
+                has = {st.metadata_id for st in event.stats}
+                if stats["_r"] in has:
+                    continue
+                if root_markers and stats["step_num"] in has:
+                    event.stats.add(metadata_id=stats["_r"], int64_value=1)
+                elif event.metadata_id in functions and called in has and stats["step_num"] not in has:
+                    n += 1
+                    event.stats.add(metadata_id=stats["_r"], int64_value=1)
+                    event.stats.add(metadata_id=stats["step_num"], int64_value=n)
     return space.SerializeToString()
 
 
