@@ -287,6 +287,16 @@ def wait_capture(agent: AgentProcess, capture_id: str, timeout: float = 60) -> d
     return wait_for(finished, timeout, 0.2, message=f"capture {capture_id} to finish")
 
 
+def wait_traced(agent: AgentProcess, capture_id: str, timeout: float = 180) -> dict[str, Any]:
+    """The capture's record once its trace is taken or it failed (its analysis may still run)."""
+    def traced():
+        status, record = agent.call("GET", f"/captures/{capture_id}")
+        assert status == 200, record
+        return record if record["status"] != "running" else None
+
+    return wait_for(traced, timeout, 0.2, message=f"capture {capture_id} to be traced")
+
+
 class Server:
     """A real server binary (Prometheus, Alertmanager, node_exporter) on loopback, stopped by ``stop()``."""
 
