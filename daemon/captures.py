@@ -123,8 +123,7 @@ class CaptureService:
     def _run(self, record: CaptureRecord, request: dict[str, Any], admission: Admission) -> None:
         try:
             self._capture(record, request, admission)
-            if record.status == "done" and self.settings().analyze:
-                record.status = "analyzing"
+            if record.status == "analyzing":
                 self._save(record)
                 self._analyze(record)
         except Exception as exc:  # whatever happens, the record ends and the process is free
@@ -154,10 +153,12 @@ class CaptureService:
                        "stopped": "the agent stopped during the capture"}.get(outcome.status, outcome.detail)}
         self.policy.release(admission)  # the process is free once its trace is taken; analysis may take long
         record.started_at = result.get("rpc_sent_at")
-        record.status, record.reason, record.detail = result["status"], result.get("reason"), result.get("detail")
         record.files = list(result.get("files", []))
         record.finished_at = self.clock.time()
-        if record.status == "done":
+        record.bytes = tree_bytes(Path(record.directory))  # before the status: a reader sees a final record whole
+        status = "analyzing" if result["status"] == "done" and self.settings().analyze else result["status"]
+        record.status, record.reason, record.detail = status, result.get("reason"), result.get("detail")
+        if result["status"] == "done":
             log.info("capture %s done: %d file(s) in %s", record.id, len(record.files), record.directory)
         else:
             log.warning("capture %s failed: %s: %s", record.id, record.reason, record.detail)
@@ -174,6 +175,7 @@ class CaptureService:
         outcome = self.analysis_workers.run("tfprofd.daemon.analysis", [record.directory, "--json", "--viewer-cache"],
                                             "", timeout)
         result = outcome.result
+        record.bytes = tree_bytes(Path(record.directory))  # with xprof's cache; before the final status
         if result is None or "error" in result:
             detail = (result or {}).get("error") or {"timeout": f"analysis did not finish within {timeout:.0f}s",
                                                      "stopped": "the agent stopped during the analysis"}.get(

@@ -132,6 +132,7 @@ def test_concurrent_posts_give_one_capture_and_409s(rig):
     assert record["status"] in ("analyzing", "done", "analysis_failed") and record["files"], record
     captures = agent.call("GET", "/captures")[1]["captures"]
     assert [c["id"] for c in captures if c["requested_at"] >= record["requested_at"]] == [accepted["id"]]
+    wait_capture(agent, accepted["id"], timeout=300)  # its analysis ends here, not under the next test's capture
 
 
 def test_bad_requests_get_4xx_with_a_json_reason(rig):
