@@ -16,9 +16,11 @@ Two modes:
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .protos import profiler_pb2, xplane_pb2
-from .workers import die_with_parent
+from .workers import PR_SET_PDEATHSIG, die_with_parent
 
 EMPTY_TRACE_BYTES = 1024  # an idle process leaves a ~200-byte .xplane.pb
 START_LEAD_S = 0.3  # time for every worker to receive the request before the common start
@@ -115,20 +117,48 @@ def _drop(files: list[Path]) -> None:
             pass
 
 
-def capture_server_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
-    from xprof.convert import _pywrap_profiler_plugin
+class ClientCrashed(Exception):
+    """xprof's client died of a signal (it does on some answers that are no profile)."""
 
+
+def _xprof_trace(service: str, logdir: Path, duration_ms: int, options: dict[str, int]) -> str | None:
+    """TensorFlow's own capture (xprof's client) in a child process, so that a crash of the client ends the
+    capture and not this worker; xprof's error message, or None."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no Python threads here yet, so fork is safe
+        os.close(read)
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # killed with the worker
+        code = 0
+        try:
+            from xprof.convert import _pywrap_profiler_plugin
+
+            _pywrap_profiler_plugin.trace(service, str(logdir), "", True, duration_ms, 1, options)
+        except BaseException as exc:
+            os.write(write, str(exc).strip().encode()[:4096])
+            code = 1
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        message = f.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        raise ClientCrashed(signal.Signals(os.WTERMSIG(status)).name)
+    return message or None
+
+
+def capture_server_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
     targets = request["targets"]
     options = {"host_tracer_level": request["host_tracer_level"],
                "device_tracer_level": request["device_tracer_level"],
                "python_tracer_level": request["python_tracer_level"], "delay_ms": request["delay_ms"]}
     answering = [t for t in targets if _probe(t)]
     started = time.time()
+    crashed = None
     try:
-        _pywrap_profiler_plugin.trace(",".join(targets), str(logdir), "", True, request["duration_ms"], 1, options)
-        error = None
-    except RuntimeError as exc:
-        error = str(exc).strip()
+        error = _xprof_trace(",".join(targets), logdir, request["duration_ms"], options)
+    except ClientCrashed as exc:
+        error, crashed = None, str(exc)
     elapsed = time.time() - started
     files = _traces(logdir)
     real = [f for f in files if not _is_empty(f.read_bytes())]
@@ -150,6 +180,9 @@ def capture_server_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]
     if closed:
         return _result("failed", "no_server", f"nothing listens at {', '.join(closed)}: the training process "
                        "has no profiler server (or exited)", logdir, started)
+    if crashed and not real:
+        return _result("failed", "not_a_profiler", f"{', '.join(targets)}: {_REASON_WORDS['not_a_profiler']} "
+                       f"(TensorFlow's profiler client died of {crashed} on the answer)", logdir, started)
     strangers = [t for t in targets if not _speaks_grpc(t)]
     if strangers:
         return _result("failed", "not_a_profiler", "; ".join(f"{t}: {_REASON_WORDS['not_a_profiler']} (it does not "
