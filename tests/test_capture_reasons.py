@@ -167,7 +167,7 @@ def _capture_of(agent: AgentProcess, job: str, address: str) -> tuple[dict, Repo
     wait_for(lambda: job_reporting(agent, job), 10, message=f"job {job} to report")
     status, answer = agent.call("POST", "/captures", {"job": job, "duration_ms": 500})
     assert status == 202, answer
-    return wait_capture(agent, answer["id"], timeout=120), reporter
+    return wait_capture(agent, answer["id"]), reporter
 
 
 def _alert_capture(agent: AgentProcess, job: str) -> dict:
@@ -194,7 +194,7 @@ def test_a_port_that_is_no_profiler_fails_not_a_profiler_and_holds_nothing(agent
             assert f"of job {job} died" not in agent.log()
             outcome = _alert_capture(agent, job)  # an automatic capture of the job still runs
             assert len(outcome["captures"]) == 1, outcome
-            wait_capture(agent, outcome["captures"][0], timeout=120)
+            wait_capture(agent, outcome["captures"][0])
         finally:
             reporter.close()
     finally:
