@@ -12,6 +12,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from .sampler import CollectorRunner, Snapshot
 log = logging.getLogger("tfprofd.agent")
 M_ARENA_MAX = -8  # mallopt parameter (malloc.h)
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+CLOSE_WAIT_S = 0.5  # how long stop() waits for the collectors to close, all together
 
 
 class StartError(Exception):
@@ -70,6 +72,7 @@ class Agent:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._live_failed: set[str] = set()
+        self._serving = False
 
     def start(self) -> None:
         logs.setup(self.cfg.core.log_level)
@@ -106,6 +109,7 @@ class Agent:
             server.start(self.loop)
         release_startup_memory()
         self.captures.enforce_retention()
+        self._serving = True
         log.info("tfprofd %s serving metrics on %s:%d, control API on %s:%d, hook reports on %s", __version__,
                  *self.servers[0].address, *self.servers[1].address, self._hook_where())
 
@@ -205,19 +209,24 @@ class Agent:
                     self.reload()
 
     def stop(self) -> None:
-        """Stop everything within about a second; a collector blocked in a library call is left behind."""
+        """Stop everything within about a second; a collector blocked in a library call is left behind.
+
+        Collectors close on threads of their own from the start, side by side with the captures and the
+        servers (the hook's socket file goes at once), and are waited for together, not one after another."""
         self._stopping.set()
         for runner in self.runners.values():
             runner.stop()
+        closers = [close_soon(c) for c in self.collectors.values()]
+        deadline = time.monotonic() + CLOSE_WAIT_S
         if self.captures is not None:
             self.captures.stop()
         for server in self.servers:
             server.stop(self.loop)
         self.loop.stop()
-        closers = [close_soon(c) for c in self.collectors.values()]
         for closer in closers:
-            closer.join(0.5 / max(len(closers), 1))
-        log.info("tfprofd stopped")
+            closer.join(max(0.0, deadline - time.monotonic()))
+        if self._serving:  # a start that failed said why on stderr; it never ran
+            log.info("tfprofd stopped")
 
 
 def limit_malloc_arenas(arenas: int = 2) -> None:

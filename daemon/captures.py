@@ -126,8 +126,7 @@ class CaptureService:
              before: HostLoad | None = None) -> None:
         try:
             self._capture(record, request, admission, before)
-            if record.status == "done" and self.settings().analyze:
-                record.status = "analyzing"
+            if record.status == "analyzing":
                 self._save(record)
                 self._analyze(record)
         except Exception as exc:  # whatever happens, the record ends and the process is free
@@ -166,10 +165,12 @@ class CaptureService:
                        "stopped": "the agent stopped during the capture"}.get(outcome.status, outcome.detail)}
         self.policy.release(admission)  # the process is free once its trace is taken; analysis may take long
         record.started_at = result.get("rpc_sent_at")
-        record.status, record.reason, record.detail = result["status"], result.get("reason"), result.get("detail")
         record.files = list(result.get("files", []))
         record.finished_at = self.clock.time()
-        if record.status == "done":
+        record.bytes = self.store.capture_bytes(record.id)  # before the status: a reader sees a final record whole
+        status = "analyzing" if result["status"] == "done" and self.settings().analyze else result["status"]
+        record.status, record.reason, record.detail = status, result.get("reason"), result.get("detail")
+        if result["status"] == "done":
             log.info("capture %s done: %d file(s) in %s", record.id, len(record.files), record.directory)
         else:
             log.warning("capture %s failed: %s: %s", record.id, record.reason, record.detail)
@@ -196,6 +197,7 @@ class CaptureService:
         outcome = self.analysis_workers.run("tfprofd.daemon.analysis", [record.directory, "--json", "--viewer-cache"],
                                             "", timeout)
         raw = outcome.result
+        record.bytes = self.store.capture_bytes(record.id)  # with xprof's cache; before the final status
         result, detail = None, (raw or {}).get("error") if raw is not None else None
         if raw is not None and detail is None:
             try:

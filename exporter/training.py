@@ -821,10 +821,7 @@ class TrainingCollector(Collector):
         return self._problem
 
     def close(self) -> None:
-        self._stop.set()
-        thread = getattr(self, "_thread", None)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=1)
+        """Remove the socket file first (nothing can report any more), then stop the listener and close."""
         for sock in self._sockets:
             if sock.family == socket.AF_UNIX:
                 path = sock.getsockname()
@@ -833,6 +830,11 @@ class TrainingCollector(Collector):
                         os.unlink(path)
                 except OSError:
                     pass
+        self._stop.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1)
+        for sock in self._sockets:
             sock.close()
         self._selector.close()
 

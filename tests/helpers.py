@@ -293,13 +293,28 @@ def job_reporting(agent: AgentProcess, job: str) -> bool:
     return metric_value(agent.scrape(), "tfprofd_training_up", training_job=job) == 1
 
 
-def wait_capture(agent: AgentProcess, capture_id: str, timeout: float = 60) -> dict[str, Any]:
+# The agent ends every capture within captures.timeout (90 s) + its duration, and its analysis within
+# captures.analysis_timeout (180 s): a wait on a record covers both, however busy the machine.
+RECORD_FINAL_WITHIN_S = 90 + 60 + 180
+
+
+def wait_capture(agent: AgentProcess, capture_id: str, timeout: float = RECORD_FINAL_WITHIN_S) -> dict[str, Any]:
     def finished():
         status, record = agent.call("GET", f"/captures/{capture_id}")
         assert status == 200, record
         return record if record["status"] not in ("running", "analyzing") else None
 
     return wait_for(finished, timeout, 0.2, message=f"capture {capture_id} to finish")
+
+
+def wait_traced(agent: AgentProcess, capture_id: str, timeout: float = 90 + 60) -> dict[str, Any]:
+    """The capture's record once its trace is taken or it failed (its analysis may still run)."""
+    def traced():
+        status, record = agent.call("GET", f"/captures/{capture_id}")
+        assert status == 200, record
+        return record if record["status"] != "running" else None
+
+    return wait_for(traced, timeout, 0.2, message=f"capture {capture_id} to be traced")
 
 
 class Server:
