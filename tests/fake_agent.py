@@ -55,7 +55,7 @@ class FakeAgent:
                     return False
                 return True
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 if not self._allowed():
                     return
                 if self.path == "/api/v1/peer":
@@ -66,7 +66,7 @@ class FakeAgent:
                 else:
                     self._answer(404, {"error": "not found"})
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 if not self._allowed():
                     return
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
@@ -98,8 +98,8 @@ class FakeAgent:
                             "breakdown_ms": breakdown, "between_ms": {"between_steps_input": 0.0,
                                                                       "between_steps_other": 0.0}})
         if self.outcome == "died":
-            return {"id": capture_id, "job": job, "status": "failed", "reason": "died", "targets": targets, "analysis": None,
-                    "detail": f"the process at {targets[0]['address']} died during the capture"}
+            return {"id": capture_id, "job": job, "status": "failed", "reason": "died", "targets": targets,
+                    "analysis": None, "detail": f"the process at {targets[0]['address']} died during the capture"}
         return {"id": capture_id, "job": job, "status": "done", "reason": None, "detail": None, "targets": targets,
                 "analysis": {"workers": workers}}
 

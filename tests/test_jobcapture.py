@@ -7,8 +7,8 @@ from __future__ import annotations
 import socket
 
 import pytest
-
 from fake_agent import FakeAgent, FakeWorker
+
 from helpers import AgentProcess, free_port, http, wait_for
 
 pytestmark = pytest.mark.servers
