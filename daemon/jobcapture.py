@@ -37,10 +37,11 @@ from .records import FINISHED, ID, RecordStore, make_dir, new_id, read_nofollow,
 
 log = logging.getLogger("tfprofd.jobcapture")
 
-MIN_LEAD_S = 1.0  # a peer must start its capture worker (a Python process) before the instant
+MIN_LEAD_S = 2.0  # a peer must start its capture worker (a Python process: ~1 s on a busy host) before the instant
 RTT_LEADS = 3  # and the request must reach the slowest peer: its measured round trip, three times over
 MAX_LEAD_S = 30.0
 POLL_S = 0.5
+LATE_MS = 50.0  # a worker whose window opened this long after the instant is named
 STRAGGLER = 1.2  # the slowest worker's step is this much longer than the median of the others
 MAX_ANSWER = 4 * 1024 * 1024
 LOCAL = "local"
@@ -93,6 +94,7 @@ class JobRecord:
     straggler: Straggler | None = None
     failed: list[PeerFailure] = field(default_factory=list)
     refused: list[PeerFailure] = field(default_factory=list)  # found by Prometheus, outside the allow-list
+    late: list[PeerFailure] = field(default_factory=list)  # workers whose window opened after the instant
     finished_at: float | None = None
     first_start_at: float | None = None  # when the first worker's profiling was asked to start (Unix time)
 
@@ -106,6 +108,7 @@ class JobRecord:
         values["workers"] = [WorkerResult(**w) for w in values.get("workers", [])]
         values["failed"] = [PeerFailure(**f) for f in values.get("failed", [])]
         values["refused"] = [PeerFailure(**f) for f in values.get("refused", [])]
+        values["late"] = [PeerFailure(**f) for f in values.get("late", [])]
         values["straggler"] = Straggler(**values["straggler"]) if values.get("straggler") else None
         record = cls(**values)
         if not ID.match(record.id) or record.scope != "job":
@@ -315,6 +318,11 @@ class JobCaptures:
         starts = [w.window_start_ns for w in record.workers if w.window_start_ns is not None]
         record.window_skew_ms = (max(starts) - min(starts)) / 1e6 if len(starts) > 1 else None
         record.straggler = straggler_of(record.workers)
+        for w in record.workers:
+            if w.window_start_ns is not None and record.start_at_ns is not None \
+                    and (late := (w.window_start_ns - record.start_at_ns) / 1e6) > LATE_MS:
+                record.late.append(PeerFailure(w.peer, f"worker {w.worker}'s window opened {late:.0f} ms after the "
+                                                       "instant (a busy host: its capture worker started late)"))
         names = ", ".join(f.peer for f in record.failed)
         if not record.workers:
             record.status = "failed"
@@ -325,6 +333,8 @@ class JobCaptures:
         else:
             record.status = "done"
             record.detail = record.straggler.why if record.straggler else "no straggler"
+        if record.late:
+            record.detail += "; late: " + "; ".join(f.why for f in record.late)
 
     def _ping(self, peer: str) -> tuple[float, str, str | None]:
         """(round trip in seconds, the peer's agent id, why it cannot be asked or None)."""
