@@ -379,7 +379,10 @@ class JobCaptures:
             if status != 200:
                 return [], f"capture {capture_id}: answered {status}: {answer.get('error', answer)}"
             if answer.get("status") in FINISHED:
-                workers = worker_results(peer, answer)
+                try:
+                    workers = worker_results(peer, answer)
+                except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+                    return [], f"capture {capture_id}: its record is not a capture record ({type(exc).__name__}: {exc})"
                 if answer["status"] == "done" and workers:
                     return workers, None
                 why = f"capture {capture_id} {answer.get('status')}: {answer.get('reason')}: {answer.get('detail')}"

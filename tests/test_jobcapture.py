@@ -4,7 +4,10 @@ another token, a peer that answers late, a job that ends mid-capture, a forged j
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from fake_agent import FakeAgent, FakeWorker
@@ -138,3 +141,18 @@ def test_a_job_level_alert_captures_the_whole_job_once(coordinator):
     assert [w["worker"] for w in record["workers"]] == ["worker-0", "worker-1"]
     status, again = http("POST", f"{agent.api}/alerts", payload, token=TOKEN)
     assert again["captures"] == [] and again["ignored"][0]["why"] == "already handled", again
+
+
+def test_tfprofd_capture_all_hosts_waits_for_the_job_record(coordinator):
+    peers = [fake([FakeWorker("worker-0", 10.0)]), fake([FakeWorker("worker-1", 30.0, input_wait_ms=21.0)])]
+    agent = coordinator(peers)
+    run = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "capture", "--api", f"http://127.0.0.1:{agent.api_port}",
+                          "--job", "ring", "--all-hosts", "--wait"], env={**os.environ, "TFPROFD_API_TOKEN": TOKEN},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "job-wide capture" in run.stdout and "job ring: done: 2 worker(s)" in run.stdout, run.stdout
+    assert "straggler: worker worker-1" in run.stdout and "in input_wait" in run.stdout, run.stdout
+    run = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "capture", "--api", f"http://127.0.0.1:{agent.api_port}",
+                          "--all-hosts"], env={**os.environ, "TFPROFD_API_TOKEN": TOKEN}, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2 and "--all-hosts needs --job" in run.stderr
