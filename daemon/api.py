@@ -312,9 +312,9 @@ class ControlApi:
         if alert.get("status") != "firing":
             outcome["ignored"].append({"alert": name, "why": "resolved"})
             return None
-        if self.jobwide is not None and not forwarded_by and labels.get("training_job") \
-                and self.forwarder is not None and self.forwarder.settings().forward_label not in labels:
-            return self._job_alert(alert, labels, outcome)
+        if self.jobwide is not None and self.forwarder is not None and not forwarded_by and labels.get("training_job") \
+                and not {self.forwarder.settings().host_label, self.forwarder.settings().forward_label} & set(labels):
+            return self._job_alert(alert, labels, outcome)  # for the job, on no host: every host
         if not self.host_match(labels):
             target = self.forwarder.target(labels) if self.forwarder is not None and not forwarded_by else None
             if target is None:

@@ -31,7 +31,7 @@ def coordinator(tmp_path):
 
     def start(peers: list[FakeAgent], more: tuple[str, ...] = ()) -> AgentProcess:
         fakes.extend(peers)
-        args = ["--captures.baseline", "false"]
+        args = ["--captures.baseline", "false", "--cluster.timeout", "10s"]  # pings on a busy test machine
         if peers:
             args += ["--cluster.peers", ",".join([*(f"{p.host}:{p.port}" for p in peers), *more])]
         agent = AgentProcess(tmp_path, args=args, env={"TFPROFD_API_TOKEN": TOKEN}).start()
@@ -77,7 +77,7 @@ def test_one_request_one_instant_one_record_with_every_worker_and_the_straggler(
 def test_faults_are_named_in_a_partial_record(coordinator):
     good = fake([FakeWorker("worker-0")])
     other_token = fake([FakeWorker("worker-1")], token="another-token")
-    late = fake([FakeWorker("worker-2")], answer_delay=6.0)
+    late = fake([FakeWorker("worker-2")], answer_delay=20.0)
     ended = fake([FakeWorker("worker-3")], outcome="died")
     down_port = free_port()
     agent = coordinator([good, other_token, late, ended], (f"127.0.0.1:{down_port}",))
@@ -141,6 +141,9 @@ def test_a_job_level_alert_captures_the_whole_job_once(coordinator):
     assert [w["worker"] for w in record["workers"]] == ["worker-0", "worker-1"]
     status, again = http("POST", f"{agent.api}/alerts", payload, token=TOKEN)
     assert again["captures"] == [] and again["ignored"][0]["why"] == "already handled", again
+    agent.stop()  # the job record outlives the agent
+    agent.start()
+    assert http("GET", f"{agent.api}/captures/{record['id']}", token=TOKEN) == (200, record)
 
 
 def test_tfprofd_capture_all_hosts_waits_for_the_job_record(coordinator):
