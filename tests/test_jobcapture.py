@@ -159,3 +159,17 @@ def test_tfprofd_capture_all_hosts_waits_for_the_job_record(coordinator):
                           "--all-hosts"], env={**os.environ, "TFPROFD_API_TOKEN": TOKEN}, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 2 and "--all-hosts needs --job" in run.stderr
+
+
+def test_a_bad_job_record_on_disk_is_set_aside_and_the_agent_starts(tmp_path):
+    jobs = tmp_path / "state" / "records" / "jobs"
+    jobs.mkdir(parents=True, mode=0o700)
+    (tmp_path / "state" / "records").chmod(0o700)
+    (jobs / "20261124T180000Z-abcdef.json").write_text('{"id": "../../etc", "scope": "job"}')
+    agent = AgentProcess(tmp_path, env={"TFPROFD_API_TOKEN": TOKEN}).start()
+    try:
+        assert http("GET", f"{agent.api}/captures/20261124T180000Z-abcdef", token=TOKEN)[0] == 404
+        assert [p.name.split(".bad-")[0] for p in jobs.iterdir()] == ["20261124T180000Z-abcdef.json"]
+        assert "not a valid job record" in agent.log()
+    finally:
+        agent.stop()
