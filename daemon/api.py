@@ -295,7 +295,7 @@ class ControlApi:
             return None
         try:
             record = self.jobwide.start(labels["training_job"], "alert")
-        except DiscoveryFailed as exc:
+        except (DiscoveryFailed, *RETRYABLE) as exc:  # Prometheus may answer, the job report, later
             outcome["retry"].append({"alert": name, "why": exc.reason})
             return None
         except DomainError as exc:

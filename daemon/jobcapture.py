@@ -31,7 +31,7 @@ from typing import Any
 
 from .captures import CaptureService
 from .cluster import JobPeers, PeerFinder
-from .errors import DomainError, InvalidRequest
+from .errors import DomainError, InvalidRequest, NoTrainingJob
 from .forwarding import FORWARDED_HEADER
 from .records import FINISHED, ID, RecordStore, make_dir, new_id, read_nofollow, set_aside, write_private
 
@@ -234,12 +234,17 @@ class JobCaptures:
     def start(self, job: str, trigger: str, duration_ms: int | None = None) -> JobRecord:
         """Find the job's agents and start the capture in the background; the record, ``running``.
 
-        Raises InvalidRequest (no cluster configured, a bad job name) and DiscoveryFailed."""
+        Raises InvalidRequest (no cluster configured, a bad job name), DiscoveryFailed, and NoTrainingJob when
+        no agent (this one included) has a worker of the job that may be asked."""
         finder = self.finder()
         if not finder.settings.prometheus_url and not finder.settings.peers:
             raise InvalidRequest("a job-wide capture needs cluster.prometheus_url or cluster.peers to find the "
                                  "job's other agents")
         found = finder.find(job)
+        if not found.peers and job not in self.captures.jobs.jobs():
+            refused = "; ".join(f"{r.instance}: {r.why}" for r in found.refused)
+            raise NoTrainingJob(f"no agent reports a worker of job {job!r}" + (f" that may be asked ({refused})"
+                                                                             if refused else ""))
         now = time.time()
         record = JobRecord(id=new_id(now), job=job, trigger=trigger, requested_at=now,
                            refused=[PeerFailure(r.instance, r.why) for r in found.refused])

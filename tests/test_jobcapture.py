@@ -173,3 +173,16 @@ def test_a_bad_job_record_on_disk_is_set_aside_and_the_agent_starts(tmp_path):
         assert "not a valid job record" in agent.log()
     finally:
         agent.stop()
+
+
+def test_a_job_no_agent_has_is_refused_at_once(tmp_path):
+    agent = AgentProcess(tmp_path, env={"TFPROFD_API_TOKEN": TOKEN},
+                         args=["--cluster.prometheus-url", f"http://127.0.0.1:{free_port()}"]).start()
+    try:  # Prometheus down: 502 with its address; the alert asks Alertmanager to send it again
+        status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+        assert status == 502 and "unreachable" in answer["error"], answer
+        alert = {"status": "firing", "labels": {"alertname": "JobSlow", "training_job": "ring"}, "fingerprint": "f"}
+        status, outcome = http("POST", f"{agent.api}/alerts", {"version": "4", "alerts": [alert]}, token=TOKEN)
+        assert status == 503 and "unreachable" in outcome["retry"][0]["why"], outcome
+    finally:
+        agent.stop()
