@@ -69,17 +69,35 @@ def test_one_request_to_any_agent_captures_every_worker_in_one_window_and_names_
     status, answer = http("POST", f"http://{coordinator}:{api_port}/api/v1/captures",
                           {"job": "ring", "scope": "job", "duration_ms": 2000}, token=TOKEN)
     assert status == 202, answer
+    record = _final(agents, coordinator, api_port, answer["id"])
+    print(json.dumps(record, indent=1))  # costs in README: requested_at -> start_at_ns -> finished_at
+    _every_worker_and_the_straggler(record, api_port)
 
+    # The same from a job-level alert (aggregated over hosts: no instance) sent to another agent.
+    alert = {"status": "firing", "labels": {"alertname": "JobStraggler", "training_job": "ring"},
+             "fingerprint": "tf1", "startsAt": "2026-11-24T18:00:00Z"}
+    status, outcome = http("POST", f"http://{HOSTS[0]}:{api_port}/api/v1/alerts",
+                           {"version": "4", "status": "firing", "alerts": [alert]}, token=TOKEN)
+    assert status == 200 and len(outcome["captures"]) == 1, outcome
+    record = _final(agents, HOSTS[0], api_port, outcome["captures"][0])
+    assert record["trigger"] == "alert"
+    _every_worker_and_the_straggler(record, api_port, local=HOSTS[0])
+
+
+def _final(agents: dict[str, AgentProcess], host: str, api_port: int, record_id: str) -> dict:
     def final():
-        status, record = http("GET", f"http://{coordinator}:{api_port}{answer['url']}", token=TOKEN)
+        status, record = http("GET", f"http://{host}:{api_port}/api/v1/captures/{record_id}", token=TOKEN)
         assert status == 200, record
         return record if record["status"] != "running" else None
 
     record = wait_for(final, 400, 1, message="the job record")
-    print(json.dumps(record, indent=1))  # costs in README: requested_at -> start_at_ns -> finished_at
     assert record["status"] == "done", (record, [a.log()[-2000:] for a in agents.values()])
+    return record
+
+
+def _every_worker_and_the_straggler(record: dict, api_port: int, local: str = HOSTS[2]) -> None:
     assert [w["worker"] for w in record["workers"]] == ["worker-0", "worker-1", "worker-2"], record
-    assert {w["peer"] for w in record["workers"]} == {f"{HOSTS[0]}:{api_port}", f"{HOSTS[1]}:{api_port}", "local"}
+    assert {w["peer"] for w in record["workers"]} == {*(f"{h}:{api_port}" for h in HOSTS if h != local), "local"}
     assert all(w["steps"] > 0 for w in record["workers"]), record["workers"]
     assert record["window_skew_ms"] < 50, record["window_skew_ms"]
     straggler = record["straggler"]
