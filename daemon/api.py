@@ -149,10 +149,12 @@ def parse_capture_body(body: Any) -> dict[str, Any]:
         body = {}
     if not isinstance(body, dict):
         raise HttpError(400, "body must be a JSON object")
-    unknown = set(body) - {"job", "gpu", "duration_ms", "options", "scope", "start_at_ns"}
+    unknown = set(body) - {"job", "gpu", "duration_ms", "options", "scope", "start_at_ns", "trigger"}
     if unknown:
         raise HttpError(400, f"unknown field(s): {', '.join(sorted(unknown))}; expected job, gpu, duration_ms, "
-                             "options, scope, start_at_ns")
+                             "options, scope, start_at_ns, trigger")
+    if body.get("trigger", "manual") not in ("manual", "alert"):  # an alert's job-wide capture: holds apply
+        raise HttpError(400, f"trigger must be \"manual\" or \"alert\", got {shown(body['trigger'])}")
     if body.get("scope", "host") not in ("host", "job"):
         raise HttpError(400, f"scope must be \"host\" or \"job\", got {shown(body['scope'])}")
     if body.get("scope") == "job" and ("job" not in body or "gpu" in body or "start_at_ns" in body):
@@ -171,7 +173,7 @@ def parse_capture_body(body: Any) -> dict[str, Any]:
     now_ns = time.time_ns()  # a peer's instant: from now to a minute ahead (clocks a little apart: a second back)
     return {"job": str(body["job"]) if "job" in body else None, "gpu": str(body["gpu"]) if "gpu" in body else None,
             "duration_ms": _int_in(body, "duration_ms", 100, 60000), "options": parsed,
-            "scope": body.get("scope", "host"),
+            "scope": body.get("scope", "host"), "trigger": body.get("trigger", "manual"),
             "start_at_ns": _int_in(body, "start_at_ns", now_ns - 1_000_000_000, now_ns + 60_000_000_000)}
 
 
@@ -228,7 +230,7 @@ class ControlApi:
         if body["scope"] == "job":
             return self._job_capture(request, body)
         try:
-            [record] = self.captures.request("manual", body["job"], body["gpu"], one_job=True,
+            [record] = self.captures.request(body["trigger"], body["job"], body["gpu"], one_job=True,
                                              duration_ms=body["duration_ms"], options=body["options"],
                                              start_at_ns=body["start_at_ns"])
         except DomainError as exc:

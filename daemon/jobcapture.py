@@ -291,14 +291,14 @@ class JobCaptures:
         asked: dict[str, str] = {}
         if local:
             try:
-                [mine] = self.captures.request("manual", record.job, None, one_job=True, duration_ms=duration_ms,
-                                               start_at_ns=start_at_ns)
+                [mine] = self.captures.request(record.trigger, record.job, None, one_job=True,
+                                               duration_ms=duration_ms, start_at_ns=start_at_ns)
                 asked[LOCAL] = mine.id
             except DomainError as exc:
                 record.failed.append(PeerFailure(LOCAL, exc.reason))
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(64, len(reachable)))) as pool:
-            answers = dict(zip(reachable, pool.map(lambda p: self._ask(p, record.job, start_at_ns, duration_ms),
-                                                   reachable), strict=True))
+            answers = dict(zip(reachable, pool.map(lambda p: self._ask(p, record, duration_ms), reachable),
+                               strict=True))
         for peer, (capture_id, why) in answers.items():
             if capture_id is not None:
                 asked[peer] = capture_id
@@ -352,9 +352,12 @@ class JobCaptures:
             return 0.0, "", f"answered {status}: {answer.get('error', answer)}"
         return time.monotonic() - started, str(answer.get("agent", "")), None
 
-    def _ask(self, peer: str, job: str, start_at_ns: int, duration_ms: int | None) -> tuple[str | None, str | None]:
-        """(the peer's capture id, or why not). An answer after the start instant is too late to be in the window."""
-        body: dict[str, Any] = {"job": job, "start_at_ns": start_at_ns}
+    def _ask(self, peer: str, record: JobRecord, duration_ms: int | None) -> tuple[str | None, str | None]:
+        """(the peer's capture id, or why not). An answer after the start instant is too late to be in the window.
+        An alert's capture is one there too: the peer's holds (a worker died in a capture) apply."""
+        assert record.start_at_ns is not None
+        start_at_ns = record.start_at_ns
+        body: dict[str, Any] = {"job": record.job, "start_at_ns": start_at_ns, "trigger": record.trigger}
         if duration_ms:
             body["duration_ms"] = duration_ms
         try:

@@ -31,6 +31,7 @@ class FakeAgent:
     answer_delay: float = 0.0  # seconds before answering a capture request (a late peer)
     outcome: str = "done"  # the capture's final status; "died": the job ended mid-capture
     asked: list[tuple[float, int]] = field(default_factory=list)  # (when asked, start_at_ns)
+    triggers: list[str] = field(default_factory=list)  # the trigger each capture was asked with
     connections: int = 0
 
     def start(self) -> FakeAgent:
@@ -71,6 +72,7 @@ class FakeAgent:
                     return
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
                 agent.asked.append((time.time(), int(body.get("start_at_ns", 0))))
+                agent.triggers.append(str(body.get("trigger", "manual")))
                 time.sleep(agent.answer_delay)
                 record = agent.record(str(body.get("job")), int(body.get("start_at_ns", time.time_ns())))
                 agent.records[record["id"]] = record

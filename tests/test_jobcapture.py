@@ -107,7 +107,8 @@ def test_a_forged_or_forwarded_job_wide_request_reaches_nobody(coordinator):
         for body, headers in (({"job": "ring", "scope": "job", "peers": [target]}, {}),
                               ({"job": "ring", "scope": "job"}, {"X-Tfprofd-Forwarded-By": "gpu-7"}),
                               ({"job": "ring", "scope": "job", "start_at_ns": 1}, {}),
-                              ({"scope": "job"}, {}), ({"job": "ring", "scope": "world"}, {})):
+                              ({"scope": "job"}, {}), ({"job": "ring", "scope": "world"}, {}),
+                              ({"job": "ring", "trigger": "rule"}, {})):
             status, answer = http("POST", f"{agent.api}/captures", body, token=TOKEN, headers=headers)
             assert status == 400, (body, answer)
         assert peer.connections == 0
@@ -139,6 +140,7 @@ def test_a_job_level_alert_captures_the_whole_job_once(coordinator):
     record = job_record(agent, outcome["captures"][0])
     assert (record["trigger"], record["status"]) == ("alert", "done"), record
     assert [w["worker"] for w in record["workers"]] == ["worker-0", "worker-1"]
+    assert [p.triggers for p in peers] == [["alert"], ["alert"]]  # the peers' holds on automatic captures apply
     status, again = http("POST", f"{agent.api}/alerts", payload, token=TOKEN)
     assert again["captures"] == [] and again["ignored"][0]["why"] == "already handled", again
     agent.stop()  # the job record outlives the agent
