@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHES = ("scrape.py", "hook_overhead.py", "capture_latency.py", "scenarios.py", "hostile.py", "analysis_cost.py")
+BENCHES = ("scrape.py", "hook_overhead.py", "capture_latency.py", "scenarios.py", "hostile.py", "analysis_cost.py",
+           "job_capture.py")
 
 if __name__ == "__main__":
     here = Path(__file__).resolve().parent

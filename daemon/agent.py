@@ -27,11 +27,13 @@ from . import config as configmod
 from .api import ControlApi, Token, alert_is_for_host
 from .baselines import Baselines
 from .captures import CaptureService
+from .cluster import PeerFinder
 from .errors import DomainError
 from .forwarding import AlertForwarder
 from .health import AGENT_PART, Endpoints
 from .hostcontext import HostMonitor
 from .httpserver import EventLoop, HttpServer, Router
+from .jobcapture import JobCaptures, PeerClient
 from .jobs import JobRegistry
 from .policy import CapturePolicy
 from .records import RecordStore, make_dir
@@ -93,8 +95,12 @@ class Agent:
                                    lambda: store.state.last_refusal)
         forwarder = AlertForwarder(lambda: self.cfg.alerts, lambda: self.servers[1].address[1], token.current,
                                    lambda: self.cfg.alerts.host_value or socket.gethostname())
+        jobwide = JobCaptures(
+            lambda: PeerFinder(self.cfg.cluster, self.cfg.alerts.forward_networks, self.servers[1].address[1]),
+            self.captures, store, PeerClient(token.current, lambda: self.cfg.alerts.host_value or socket.gethostname()),
+            lambda: (self.cfg.captures.timeout, self.cfg.captures.analysis_timeout), lambda: self.cfg.captures.keep)
         ControlApi(api, self.captures, policy, lambda labels: alert_is_for_host(
-            labels, self.cfg.alerts.host_label, self.cfg.alerts.host_value), forwarder)
+            labels, self.cfg.alerts.host_label, self.cfg.alerts.host_value), forwarder, jobwide)
         self.servers.append(HttpServer("metrics", self.cfg.core.listen, metrics, max_body=lambda: 4096))
         self.servers.append(HttpServer("api", self.cfg.api.listen, api, max_body=lambda: self.cfg.api.max_body_bytes,
                                        authenticate=token.authenticate))

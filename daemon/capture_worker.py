@@ -283,7 +283,7 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
     targets = request["targets"]
     session = time.strftime("%Y_%m_%d_%H_%M_%S", time.gmtime())
     lead = max(START_LEAD_S, request["delay_ms"] / 1000)
-    start_ns = time.time_ns() + int(lead * 1e9)
+    start_ns = request.get("start_at_ns") or time.time_ns() + int(lead * 1e9)  # a job-wide capture's instant
     deadline = max(60.0, 2 * request["duration_ms"] / 1000) + lead
     started = time.time()
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(targets)) as pool:

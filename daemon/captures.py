@@ -63,7 +63,7 @@ class CaptureService:
 
     def request(self, trigger: str, job: str | None = None, gpu: str | None = None, *, one_job: bool = False,
                 duration_ms: int | None = None, options: dict[str, int] | None = None, rule: str | None = None,
-                alert: str | None = None, cooldown: float = 0.0) -> list[CaptureRecord]:
+                alert: str | None = None, cooldown: float = 0.0, start_at_ns: int | None = None) -> list[CaptureRecord]:
         """Start captures for a job, a GPU, or every job (one per job). Raises the registry's and the policy's
         domain errors, AmbiguousJob (``one_job`` and several match) and StorageError."""
         groups = self.jobs.targets(job, gpu)
@@ -75,7 +75,7 @@ class CaptureService:
         for group in groups:  # one job's refusal does not stop the others' captures
             try:
                 records.append(self.start(trigger, group, duration_ms=duration_ms, options=options, rule=rule,
-                                          alert=alert, gpu=gpu, cooldown=cooldown))
+                                          alert=alert, gpu=gpu, cooldown=cooldown, start_at_ns=start_at_ns))
             except DomainError as exc:
                 errors.append(exc)
                 if len(groups) > 1:
@@ -86,7 +86,8 @@ class CaptureService:
 
     def start(self, trigger: str, targets: list[Target], *, duration_ms: int | None = None,
               options: dict[str, int] | None = None, rule: str | None = None, alert: str | None = None,
-              gpu: str | None = None, cooldown: float = 0.0) -> CaptureRecord:
+              gpu: str | None = None, cooldown: float = 0.0, start_at_ns: int | None = None) -> CaptureRecord:
+        """Start one capture; at ``start_at_ns`` (Unix ns, a job-wide capture's common instant) if given."""
         s = self.settings()
         budget = None if trigger == "baseline" else s.max_per_hour  # baselines keep their own schedule
         admission = self.policy.admit(targets, budget, rule=rule, cooldown=cooldown, automatic=trigger != "manual")
@@ -112,6 +113,9 @@ class CaptureService:
                    "logdir": record.directory, "max_trace_bytes": s.max_trace_bytes,
                    "host_tracer_level": s.host_tracer_level, "device_tracer_level": s.device_tracer_level,
                    "python_tracer_level": s.python_tracer_level, "delay_ms": int(s.delay * 1000), **(options or {})}
+        if start_at_ns is not None:  # agent mode starts every worker then; server mode waits as long
+            ahead_ms = int((start_at_ns / 1e9 - self.clock.time()) * 1000)
+            request.update(start_at_ns=start_at_ns, delay_ms=max(0, ahead_ms))
         before = self.host.load_before() if self.host is not None else None
         thread = threading.Thread(target=self._run, args=(record, request, admission, before), daemon=True,
                                   name=f"tfprofd-capture-{record.id}")

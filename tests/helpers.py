@@ -123,7 +123,7 @@ class GpuState:
 
 
 def http(method: str, url: str, body: Any = None, token: str | None = None,
-         timeout: float = 10) -> tuple[int, Any]:
+         timeout: float = 10, headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """(status, parsed JSON or text) of one request; HTTP errors are returned, not raised."""
     data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
     request = urllib.request.Request(url, data=data, method=method)
@@ -131,6 +131,8 @@ def http(method: str, url: str, body: Any = None, token: str | None = None,
         request.add_header("Content-Type", "application/json")
     if token:
         request.add_header("Authorization", f"Bearer {token}")
+    for name, value in (headers or {}).items():
+        request.add_header(name, value)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             status, raw, ctype = response.status, response.read(), response.headers.get("Content-Type", "")
