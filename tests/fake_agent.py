@@ -97,7 +97,8 @@ class FakeAgent:
             breakdown["device_compute"] = w.step_ms - w.input_wait_ms
             workers.append({"host": self.host, "trace": f"/x/{self.host}_{7000 + i}.xplane.pb", "steps": 20,
                             "window": [start_ns + 1_000_000 * i, start_ns + 2_000_000_000], "cycle_ms": w.step_ms,
-                            "breakdown_ms": breakdown, "between_ms": {"between_steps_input": 0.0,
+                            "breakdown_ms": breakdown, "breakdown": {p: ms / w.step_ms for p, ms in breakdown.items()},
+                            "between_ms": {"between_steps_input": 0.0,
                                                                       "between_steps_other": 0.0}})
         if self.outcome == "died":
             return {"id": capture_id, "job": job, "status": "failed", "reason": "died", "targets": targets,
