@@ -32,7 +32,8 @@ DEMAND_SECONDS = 600.0
 GZIP_LEVEL = 1  # a scrape is latency-bound: level 1 is several times faster than 9 for a few % more bytes
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _FAST_TYPES = frozenset({"gauge", "counter", "histogram"})
-SectionCache = dict[Hashable, tuple[object, list[str]]]  # one collector's sections: key -> (token, lines per family)
+# one collector's sections: key -> (token, sample lines per family, label sets written)
+SectionCache = dict[Hashable, tuple[object, list[str], dict[tuple, str]]]
 
 
 class _Families:
@@ -80,13 +81,21 @@ def _render_family(family: Metric, fmt: str, out: list[str]) -> None:
     _render_samples(family, out)
 
 
-def _render_samples(family: Metric, out: list[str]) -> None:
+def _render_samples(family: Metric, out: list[str], written: dict[tuple, str] | None = None) -> None:
+    """The family's sample lines; ``written`` remembers label sets already written (a section's labels
+    stay the same from one rendering to the next while its values change: half the cost of a line)."""
     lines = []
     for s in family.samples:
         if s.timestamp is not None or s.exemplar is not None or s.native_histogram is not None:
             raise _Unusual
         if s.labels:
-            labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
+            if written is None:
+                labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
+            else:
+                key = tuple(s.labels.items())
+                labels = written.get(key)
+                if labels is None:
+                    labels = written[key] = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
             lines.append(f"{s.name}{{{labels}}} {floatToGoString(s.value)}\n")
         else:
             lines.append(f"{s.name} {floatToGoString(s.value)}\n")
@@ -131,12 +140,13 @@ def _render_sectioned(families: Sectioned, fmt: str, cache: SectionCache, out: l
     for key, token in families.sections:
         entry = cache.get(key)
         if entry is None or entry[0] is not token:
+            written = {} if entry is None or len(entry[2]) > 1024 else entry[2]  # bounded if labels churn
             lines = []
             for family in families.build([token]):
                 part: list[str] = []
-                _render_samples(family, part)
+                _render_samples(family, part, written)
                 lines.append("".join(part))
-            entry = (token, lines)
+            entry = (token, lines, written)
         fresh[key] = entry
         chunks.append(entry[1])
     cache.clear()
