@@ -152,6 +152,12 @@ def wait_jobs(agent_port: int, jobs: int) -> None:
     raise RuntimeError(f"the agent did not see {jobs} jobs")
 
 
+def reports(agent_port: int) -> float:
+    """Reports the agent has accepted (the reporting process may fall behind on a loaded host)."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{agent_port}/metrics", timeout=30).read().decode()
+    return metric_value(body, "tfprofd_hook_reports_total") or 0.0
+
+
 def measure(jobs: int) -> dict[str, float]:
     """Every figure with ``jobs`` jobs reporting, tfprofd beside node_exporter."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,10 +170,12 @@ def measure(jobs: int) -> dict[str, float]:
         reporting.start()
         try:
             wait_jobs(agent_port, jobs)
+            reports0, started = reports(agent_port), time.monotonic()  # read outside the CPU window
             a0, n0 = cpu_seconds(agent.pid), cpu_seconds(node.pid)
             time.sleep(CPU_SECONDS)  # sampling and the jobs' reports, no scrapes
             agent_cpu = (cpu_seconds(agent.pid) - a0) / CPU_SECONDS
             node_cpu = (cpu_seconds(node.pid) - n0) / CPU_SECONDS
+            reports_per_second = (reports(agent_port) - reports0) / (time.monotonic() - started)
             a0 = cpu_seconds(agent.pid)
             durations, up_min = prometheus_durations(Path(tmp), agent_port, node_port)
             agent_cpu_scraped = (cpu_seconds(agent.pid) - a0) / PROMETHEUS_SECONDS
@@ -180,7 +188,7 @@ def measure(jobs: int) -> dict[str, float]:
             reporting.join(10)
             stop(agent)
             stop(node)
-    r: dict[str, float] = {"jobs": jobs, "series_lines": series, "up_min": up_min}
+    r: dict[str, float] = {"jobs": jobs, "series_lines": series, "up_min": up_min, "reports_per_s": reports_per_second}
     for name, (a, n) in {"new": (new_a, new_n), "kept": (kept_a, kept_n),
                          "prometheus": (durations["tfprofd"], durations["node"])}.items():
         r[f"{name}_tfprofd_p50_ms"], r[f"{name}_tfprofd_p99_ms"] = percentile(a, 50) * 1000, percentile(a, 99) * 1000
@@ -214,7 +222,8 @@ def show(r: dict[str, float]) -> None:
           f"{'' if few else '  (target <= 1.5)'}; lowest up of tfprofd: {r['up_min']:.0f}")
     print(f"  resident memory: tfprofd {r['tfprofd_rss_mb']:.1f} MiB{' (target <= 35)' if few else ''}, "
           f"node_exporter {r['node_rss_mb']:.1f} MiB")
-    print(f"  CPU while sampling at 1 s and receiving {jobs} jobs' reports, {CPU_SECONDS}s unscraped: tfprofd "
+    print(f"  CPU while sampling at 1 s and receiving {jobs} jobs' reports ({r['reports_per_s']:.0f} a second), "
+          f"{CPU_SECONDS}s unscraped: tfprofd "
           f"{r['tfprofd_cpu_pct']:.2f}% of one core{' (target < 1%)' if few else ''}, node_exporter "
           f"{r['node_cpu_pct']:.2f}% (it samples only when scraped)")
     print(f"  the same while Prometheus scrapes every second: tfprofd {r['tfprofd_cpu_scraped_pct']:.2f}%"

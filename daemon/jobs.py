@@ -51,6 +51,9 @@ class JobRegistry:
     def on_snapshot(self, snapshot: Snapshot) -> None:
         """A collector's new sample replaces everything it said before (a failed sample says nothing)."""
         with self._lock:
+            if not snapshot.facts and not self._facts.get(snapshot.collector, ()):
+                self._facts[snapshot.collector] = ()
+                return  # a collector with no facts (cpu, disk...) changes nothing: no need to derive again
             self._facts[snapshot.collector] = snapshot.facts
             self._derive()
 
