@@ -108,12 +108,17 @@ class Static(BaseHTTPRequestHandler):
         pass
 
 
+class QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A scrape Prometheus gave up on (its 1 s timeout, on a loaded host) shows in its figures, not here."""
+
+
 def prometheus_durations(tmp: Path, agent_port: int, node_port: int) -> tuple[dict[str, list[float]], float]:
     """scrape_duration_seconds of each target (tfprofd, node, static) and the lowest ``up`` of tfprofd."""
     request = urllib.request.Request(f"http://127.0.0.1:{agent_port}/metrics", headers=HEADERS)
     with urllib.request.urlopen(request) as response:
         Static.body, Static.content_type = response.read(), response.headers["Content-Type"]
-    static = ThreadingHTTPServer(("127.0.0.1", 0), Static)
+    static = QuietServer(("127.0.0.1", 0), Static)
     threading.Thread(target=static.serve_forever, daemon=True).start()
     prometheus, prom_port = start_prometheus(tmp, agent_port, extra_targets={"node": node_port,
                                                                              "static": static.server_address[1]})
