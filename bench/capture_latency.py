@@ -57,6 +57,7 @@ def start_agent(tmp: Path, state: GpuState) -> tuple[subprocess.Popen, int, int,
     proc = subprocess.Popen(
         [sys.executable, "-m", "tfprofd.daemon", "run", "--config", str(config), "--listen", f"127.0.0.1:{port}",
          "--api.listen", f"127.0.0.1:{api_port}", "--hook.listen", f"127.0.0.1:{hook_port}",
+         "--hook.socket", str(tmp / "hook.sock"),  # not the host's default socket another agent may hold
          "--state-dir", str(tmp / "state"), "--interval", f"{INTERVAL}s", "--captures.max-per-hour", "1000",
          "--captures.duration", "500ms"],
         env={**os.environ, **state.env()}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
