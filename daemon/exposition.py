@@ -193,7 +193,9 @@ class Exposition:
         last, period = self._scrapes[fmt]
         if period is None or now - last > DEMAND_SECONDS:
             return False  # no cadence known yet (one curl), or nobody scrapes this format any more
-        return now - last >= period - 2.5 * interval
+        # past two periods without a scrape the cadence is gone (a burst of polls that stopped): rendering
+        # every sample for it would cost as much as being scraped; a scrape that does come renders itself
+        return period - 2.5 * interval <= now - last <= 2 * period + 2.5 * interval
 
     def after_sample(self, name: str, collect: Callable[[], Iterable[Metric]], interval: float,
                      min_gap: float = 0.0) -> None:

@@ -142,3 +142,32 @@ def test_training_jobs_rendered_job_by_job_read_as_a_full_rendering_through_ever
         assert "training_job=" not in text
     finally:
         collector.close()
+
+
+def test_a_burst_of_polls_that_stopped_does_not_keep_the_agent_rendering():
+    """A script polling /metrics until the agent answers teaches the exposition a 0.1 s cadence; once the
+    polls stop, samples must stop rendering ahead of scrapes that will not come (CPU with nobody scraping)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from tfprofd.daemon.exposition import Exposition
+
+    now = [100.0]
+    exposition = Exposition(clock=lambda: now[0])
+    rendered = []
+
+    def collect():
+        rendered.append(now[0])
+        return [GaugeMetricFamily("tfprofd_test", "A gauge.", value=1)]
+
+    for _ in range(5):  # polled every 0.1 s
+        exposition.body(lambda fmt: [exposition.part("x", fmt, collect, 2.5)], "", "")
+        now[0] += 0.1
+    exposition.after_sample("x", collect, interval=1.0)
+    assert rendered[-1] == now[0]  # a poll may still come: rendered ahead
+    count = len(rendered)
+    for _ in range(30):  # nobody polls any more
+        now[0] += 1.0
+        exposition.after_sample("x", collect, interval=1.0)
+    assert len(rendered) - count <= 3  # the cadence lapsed after two periods and 2.5 intervals
+    exposition.body(lambda fmt: [exposition.part("x", fmt, collect, 2.5)], "", "")
+    assert rendered[-1] == now[0]  # a scrape that does come still gets a fresh rendering
