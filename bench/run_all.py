@@ -1,4 +1,8 @@
-"""Runs every benchmark in one go (`make bench`); each prints its own side-by-side figures and targets."""
+"""Runs every benchmark in one go (`make bench`); each prints its own side-by-side figures and targets.
+
+``--quick`` runs each with tiny sizes and durations (tests/test_bench_quick.py, in CI): the figures mean
+nothing then, but a bench that no longer runs fails there.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ if __name__ == "__main__":
     failed = []
     for bench in BENCHES:
         print(f"==== {bench}", flush=True)
-        if subprocess.run([sys.executable, str(here / bench)], cwd=here).returncode != 0:
+        if subprocess.run([sys.executable, str(here / bench), *sys.argv[1:]], cwd=here).returncode != 0:
             failed.append(bench)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

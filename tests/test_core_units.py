@@ -357,3 +357,29 @@ def test_a_trace_of_a_process_that_only_answered_the_hook_is_an_empty_trace():
     idle = _space({"python": hook_reads, "tfprofd-hook": hook_reads})
     assert len(idle) > 2048 and _is_empty(idle)
     assert not _is_empty(_space({"python": hook_reads, "tf_Compute/1": ["dense/MatMul:MatMul"] * 10}))
+
+
+def test_the_job_registry_says_where_a_job_trains_for_each_kind_of_series():
+    from tfprofd.daemon.sampler import Snapshot
+    from tfprofd.exporter.nvml import GpuProcesses
+    from tfprofd.exporter.training import ProcessView, TrainingProcesses
+
+    def snapshot(collector: str, *facts) -> Snapshot:
+        return Snapshot(collector, 0.0, 0.0, True, 0.0, {}, facts, lambda: [])
+
+    registry = JobRegistry()
+    assert not registry.is_training({})
+    registry.on_snapshot(snapshot("training", TrainingProcesses((
+        ProcessView("a", "0", 10, True, "train", True, None), ProcessView("a", "1", 11, True, "eval", False, None),
+        ProcessView("b", "0", 12, True, "train", False, None)))))  # b's process went quiet
+    assert registry.is_training({"training_job": "a", "worker": "0"})
+    assert not registry.is_training({"training_job": "a", "worker": "1"})
+    assert registry.is_training({"training_job": "a"}) and not registry.is_training({"training_job": "b"})
+    assert registry.is_training({"gpu": "0"}) and registry.is_training({})  # NVML lists none: anywhere on the host
+    registry.on_snapshot(snapshot("cpu"))  # a collector without facts changes nothing
+    registry.on_snapshot(snapshot("nvml", GpuProcesses((("0", "u0", frozenset({11})), ("1", "u1", frozenset({10})),
+                                                        ("2", "u2", frozenset({99}))))))
+    assert registry.is_training({"gpu": "1"})  # a's worker 0 trains there
+    assert not registry.is_training({"gpu": "0"}) and not registry.is_training({"gpu": "2"})
+    registry.forget("training")
+    assert not registry.is_training({"gpu": "1"}) and not registry.is_training({"training_job": "a"})
