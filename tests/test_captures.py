@@ -86,6 +86,24 @@ def lend(rig, tmp_path, job: str = "lent", **kwargs) -> tuple[AgentProcess, Repo
     return agent, reporter
 
 
+def profiler_free(address: str) -> bool:
+    """Whether the profiler server at ``address`` takes a new session (a 1 ms one, over raw gRPC)."""
+    import grpc
+
+    from tfprofd.daemon.protos import profiler_pb2
+
+    request = profiler_pb2.ProfileRequest(duration_ms=1, emit_xspace=True, session_id="probe",
+                                          opts=profiler_pb2.ProfileOptions(version=1, duration_ms=1))
+    with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 1 << 30)]) as channel:
+        try:
+            channel.unary_unary("/tensorflow.ProfilerService/Profile")(request.SerializeToString(), timeout=30)
+            return True
+        except grpc.RpcError as exc:
+            if "Another profiling session" in str(exc.details()):
+                return False
+            raise
+
+
 def post_capture(agent, body=None, raw: bytes | None = None):
     return agent.call("POST", "/captures", raw if raw is not None else body)
 
@@ -277,6 +295,8 @@ def test_capture_workers_die_with_a_killed_agent(rig, tmp_path):
     finally:
         reporter.close()
         agent.stop()
+        # the job's server may hold the 20 s session a while after its client died: the next test needs it free
+        wait_for(lambda: profiler_free(reporter.profiler_address), 60, interval=0.5, message="the profiler free")
 
 
 def test_capture_command_wraps_the_api(rig):
