@@ -8,7 +8,28 @@ from pathlib import Path
 from .classify import STRAGGLER
 from .model import ONE_WINDOW, PART_WORDS, CaptureAnalysis, Straggler, WorkerAnalysis
 from .worker import analyze_worker
-from .xprof import find_traces
+from .xprof import AnalysisError, find_traces
+
+# An analysis's peak memory against its largest trace, measured by bench/analysis_cost.py (xprof's own conversion
+# peaks about the same): 199 MB on a 5.2 MB trace, 1.57 GB on a 52 MB one. Rounded up, so the estimate is high.
+BASE_BYTES = 160 * 1024**2  # Python, xprof's libraries
+BYTES_PER_TRACE_BYTE = 30  # the XSpace parsed, xprof's OpStats and tables
+
+
+class TooLarge(AnalysisError):
+    """The capture's analysis would need more memory than it may have."""
+
+
+def check_memory(path: Path, max_bytes: int) -> None:
+    """Raise TooLarge, saying what to do, if analysing the capture would need more than ``max_bytes``."""
+    traces = find_traces(path)
+    largest = max(t.stat().st_size for t in traces)
+    needed = BASE_BYTES + BYTES_PER_TRACE_BYTE * largest
+    if needed > max_bytes:
+        raise TooLarge(f"the trace is {largest / 1e6:.0f} MB; analysing it needs about {needed / 2**20:.0f} MiB, "
+                       f"more than captures.analysis_max_memory ({max_bytes / 2**20:.0f} MiB) allows: take shorter "
+                       f"captures (captures.duration, or duration_ms), or raise captures.analysis_max_memory with the "
+                       f"memory limit; the trace is kept for `tfprofd analyze` on a machine with more memory")
 
 
 def analyze(path: Path, verbose: bool = False) -> CaptureAnalysis:
