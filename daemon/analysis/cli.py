@@ -14,7 +14,7 @@ from pathlib import Path
 from .capture import TooLarge, analyze, check_memory
 from .compare import compare, with_comparison
 from .report import report
-from .xprof import AnalysisError
+from .xprof import AnalysisError, quiet, write_viewer_cache
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path, help="a capture of the same job while it ran well: say what changed")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
     parser.add_argument("--verbose", action="store_true", help="show xprof's own log lines")
+    parser.add_argument("--viewer-cache", action="store_true",
+                        help="also leave xprof's viewer cache in the capture, for readers who cannot write to it")
     parser.add_argument("--max-memory", type=int, metavar="BYTES",
                         help="refuse a trace whose analysis would need more memory than this")
     args = parser.parse_args(argv)
@@ -36,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         result = analyze(args.path, args.verbose)
         if args.baseline:
             result = with_comparison(result, compare(analyze(args.baseline, args.verbose), result))
+        if args.viewer_cache:
+            with quiet(args.verbose):
+                write_viewer_cache(args.path)
     except (AnalysisError, OSError) as exc:
         if args.json:
             print(json.dumps({"error": str(exc), "reason": "too_large" if isinstance(exc, TooLarge) else "error"}))

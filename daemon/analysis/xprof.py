@@ -1,5 +1,5 @@
 """Running xprof headlessly on one trace: finding a capture's traces, a private session for xprof's cache,
-its C++ logging kept quiet, its tools' tables and its per-step breakdown (OpStats)."""
+its C++ logging kept quiet, its tools' tables, its per-step breakdown (OpStats), and its viewer cache."""
 
 from __future__ import annotations
 
@@ -190,3 +190,28 @@ def steps_from_table(pipeline: list[dict[str, Any]]) -> list[dict[str, float]]:
         if step["step_ms"] > 0:
             steps.append(step)
     return steps
+
+
+def write_viewer_cache(capture_dir: Path) -> None:
+    """Leave in each run directory what xprof's viewer writes on first open (its tool list, OpStats, trace
+    viewer tables, cache_version.txt), made by xprof's own plugin code, so a user who cannot write into
+    the capture still opens it."""
+    from werkzeug.test import EnvironBuilder
+    from werkzeug.wrappers import Request
+    from xprof.server import DataProvider, ProfilePluginLoader, TBContext
+
+    context = TBContext(str(capture_dir), DataProvider(str(capture_dir)), TBContext.Flags(False))
+    context.hide_capture_profile_button, context.enable_tab_name_label, context.src_prefix = True, False, None
+    plugin = ProfilePluginLoader().load(context)
+
+    def request(**args: str) -> Request:
+        return Request(EnvironBuilder(path="/data", query_string=args).get_environ())
+
+    for run in plugin.runs_imp(request()):
+        run_dir = plugin._run_dir(run, request(run=run))
+        for name in plugin.run_tools_imp(run, request(run=run)):
+            if name in ("memory_profile", "op_profile", "roofline_model", "hlo_stats"):
+                continue  # opened rarely and cheap to make; not worth their share of the disk budget
+            for host in plugin._run_host_impl(run, run_dir, name) or [{"hostname": ""}]:
+                with contextlib.suppress(Exception):
+                    plugin.data_impl(request(run=run, tag=name, host=host["hostname"]))
