@@ -74,37 +74,49 @@ def timed(command: list[str]) -> tuple[float, int]:
     return time.monotonic() - started, usage.ru_maxrss * 1024
 
 
-def against_size(sizes_mb: list[int], quick: bool) -> bool:
+HEADER = ("trace MB | agent's analysis s / MB peak | xprof's conversion s / MB peak | time ratio | memory ratio | "
+          "estimate MB")
+
+
+def side_by_side(capture: Path, quick: bool) -> bool:
+    """The agent's analysis of one capture against xprof's own conversion of its trace, alternating."""
     from tfprofd.daemon.analysis.capture import BASE_BYTES, BYTES_PER_TRACE_BYTE
 
-    source = lzma.decompress(FIXTURE.read_bytes())
+    [trace] = capture.glob("plugins/profile/*/*.xplane.pb")
+    size = trace.stat().st_size
+    agent = [sys.executable, "-m", "tfprofd.daemon.analysis", str(capture), "--json"]
+    xprof = [sys.executable, "-c", XPROF_ONLY, str(trace), *TOOLS]
+    a_s, a_rss = timed(agent)  # alternating: the load of the moment falls on both
+    x_s, x_rss = timed(xprof)
+    a2_s, a2_rss = timed(agent)
+    a_s, a_rss = (a_s + a2_s) / 2, max(a_rss, a2_rss)
+    estimate = BASE_BYTES + BYTES_PER_TRACE_BYTE * size
+    t_ratio, m_ratio = a_s / x_s, a_rss / x_rss
+    print(f"{size / 1e6:8.1f} | {a_s:6.1f} s / {a_rss / 1e6:6.0f} MB | {x_s:6.1f} s / {x_rss / 1e6:6.0f} MB | "
+          f"{t_ratio:5.2f}× | {m_ratio:5.2f}× | {estimate / 1e6:6.0f}", flush=True)
     ok = True
-    print("trace MB | agent's analysis s / MB peak | xprof's conversion s / MB peak | time ratio | memory ratio | "
-          "estimate MB")
-    for size_mb in sizes_mb:
-        with tempfile.TemporaryDirectory(prefix="tfprofd-bench-") as tmp:
-            trace = Path(tmp) / "capture" / "plugins" / "profile" / "run" / "w0.xplane.pb"
-            size = enlarged(source, size_mb * 10**6, trace)
-            agent = [sys.executable, "-m", "tfprofd.daemon.analysis", str(trace.parent.parent.parent.parent), "--json"]
-            xprof = [sys.executable, "-c", XPROF_ONLY, str(trace), *TOOLS]
-            a_s, a_rss = timed(agent)  # alternating: the load of the moment falls on both
-            x_s, x_rss = timed(xprof)
-            a2_s, a2_rss = timed(agent)
-            a_s, a_rss = (a_s + a2_s) / 2, max(a_rss, a2_rss)
-        estimate = BASE_BYTES + BYTES_PER_TRACE_BYTE * size
-        t_ratio, m_ratio = a_s / x_s, a_rss / x_rss
-        print(f"{size / 1e6:8.1f} | {a_s:6.1f} s / {a_rss / 1e6:6.0f} MB | {x_s:6.1f} s / {x_rss / 1e6:6.0f} MB | "
-              f"{t_ratio:5.2f}× | {m_ratio:5.2f}× | {estimate / 1e6:6.0f}", flush=True)
-        if estimate < a_rss:
-            print(f"FAIL: the memory estimate ({estimate / 1e6:.0f} MB) is under the measured peak", flush=True)
-            ok = False
-        if not quick and (t_ratio > 1.5 or m_ratio > 1.5):
-            print("FAIL: the agent's analysis costs more than 1.5× xprof's own conversion", flush=True)
-            ok = False
+    if estimate < a_rss:
+        print(f"FAIL: the memory estimate ({estimate / 1e6:.0f} MB) is under the measured peak", flush=True)
+        ok = False
+    if not quick and (t_ratio > 1.5 or m_ratio > 1.5):
+        print("FAIL: the agent's analysis costs more than 1.5× xprof's own conversion", flush=True)
+        ok = False
     return ok
 
 
-def end_to_end(durations_ms: list[int]) -> bool:
+def against_size(sizes_mb: list[int], quick: bool) -> bool:
+    source = lzma.decompress(FIXTURE.read_bytes())
+    ok = True
+    print(HEADER)
+    for size_mb in sizes_mb:
+        with tempfile.TemporaryDirectory(prefix="tfprofd-bench-") as tmp:
+            trace = Path(tmp) / "capture" / "plugins" / "profile" / "run" / "w0.xplane.pb"
+            enlarged(source, size_mb * 10**6, trace)
+            ok = side_by_side(trace.parent.parent.parent.parent, quick) and ok
+    return ok
+
+
+def end_to_end(durations_ms: list[int], quick: bool) -> bool:
     """Captures asked for at once: each analysed or too_large with advice, none timed out."""
     with tempfile.TemporaryDirectory() as tmp:
         agent = AgentProcess(Path(tmp), args=["--captures.baseline", "false", "--captures.max-per-hour", "100"],
@@ -128,6 +140,8 @@ def end_to_end(durations_ms: list[int]) -> bool:
                 good = record["status"] == "done" or (record["status"] == "analysis_failed"
                                                       and record["reason"] == "too_large")
                 ok = ok and good
+                if record["status"] == "done":
+                    ok = side_by_side(Path(record["directory"]), quick) and ok
             print(f"agent RSS {before / 1e6:.1f} MB before, at most {agent_max / 1e6:.1f} MB after the captures",
                   flush=True)
         finally:
@@ -146,7 +160,7 @@ def main() -> None:
     sizes = args.sizes or ([5] if args.quick else [10, 50, 300])
     ok = against_size(sizes, args.quick)
     if not args.no_e2e:
-        ok = end_to_end([500] if args.quick else [2000, 20000]) and ok
+        ok = end_to_end([500] if args.quick else [2000, 20000], args.quick) and ok
     sys.exit(0 if ok else 1)
 
 
