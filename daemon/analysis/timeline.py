@@ -151,11 +151,11 @@ def read_events(trace: Path) -> Events:
         plane_ops: list[tuple[int, int, str]] = []
         kernels: list[tuple[int, int, str]] = []
         for line in plane.lines:
-            base = line.timestamp_ns * 1000
-            compute_thread = host and line.name.startswith(LAUNCH_THREADS)
-            data_thread = host and line.name.startswith("tf_data")
-            thread = ev.threads.setdefault(line.name, []) if compute_thread else None
-            copy_line = "Memcpy" in line.name and "Compute" not in line.name
+            base, line_name = line.timestamp_ns * 1000, line.name  # read once: each read makes a Python object
+            compute_thread = host and line_name.startswith(LAUNCH_THREADS)
+            data_thread = host and line_name.startswith("tf_data")
+            thread = ev.threads.setdefault(line_name, []) if compute_thread else None
+            copy_line = "Memcpy" in line_name and "Compute" not in line_name
             for event in line.events:
                 start = base + event.offset_ps
                 end = start + event.duration_ps
@@ -170,7 +170,7 @@ def read_events(trace: Path) -> Events:
                     if name in ITERATOR_CALLS:
                         ev.iterator_calls.append((start, end))
                     # one pass over the event's stats (the trace's hot loop: a stat read is a Python object made)
-                    stats = {st.metadata_id: st for st in event.stats} if wanted and event.stats else {}
+                    stats = {st.metadata_id: st for st in event.stats} if wanted else {}
                     if step_stats and not step_stats.isdisjoint(stats):
                         ev.host_steps.append((start, end))
                         count = stats.get(count_stat)
@@ -188,20 +188,20 @@ def read_events(trace: Path) -> Events:
                         ev.ops.append((start, end))  # TF ops are named "name:Type"; executor bookkeeping is not
                     elif data_thread and name and not name.startswith(("Iterator::", "Threadpool", "Executor")):
                         ev.input_ops.add(name.split(":")[0])
-                elif line.name == "Steps":
+                elif line_name == "Steps":
                     ev.device_steps.setdefault(plane.name, []).append((start, end))
                     if device is not None:
                         device.steps.append((start, end))
-                elif line.name == "TensorFlow Ops":
+                elif line_name == "TensorFlow Ops":
                     plane_ops.append((start, end, name))
                 elif name.startswith("Memcpy") or copy_line:
                     # the event's own name first: one stream's line may carry several kinds of copy
-                    kind = copy_kind(name, line.name) or "other"
+                    kind = copy_kind(name, line_name) or "other"
                     ms = event.duration_ps / 1e9
                     ev.copies_ms[kind] = ev.copies_ms.get(kind, 0.0) + ms
                     if device is not None:
                         device.copies_ms[kind] = device.copies_ms.get(kind, 0.0) + ms
-                elif line.name.startswith("Stream"):
+                elif line_name.startswith("Stream"):
                     kernels.append((start, end, name))
                     if device is not None:
                         device.kernels.append((start, end))
