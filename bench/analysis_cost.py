@@ -80,7 +80,7 @@ HEADER = ("trace MB | agent's analysis s / MB peak | xprof's conversion s / MB p
 
 def side_by_side(capture: Path, quick: bool) -> bool:
     """The agent's analysis of one capture against xprof's own conversion of its trace, alternating."""
-    from tfprofd.daemon.analysis.capture import BASE_BYTES, BYTES_PER_TRACE_BYTE
+    from tfprofd.daemon.analysis.capture import needed_memory
 
     [trace] = capture.glob("plugins/profile/*/*.xplane.pb")
     size = trace.stat().st_size
@@ -90,7 +90,7 @@ def side_by_side(capture: Path, quick: bool) -> bool:
     x_s, x_rss = timed(xprof)
     a2_s, a2_rss = timed(agent)
     a_s, a_rss = (a_s + a2_s) / 2, max(a_rss, a2_rss)
-    estimate = BASE_BYTES + BYTES_PER_TRACE_BYTE * size
+    estimate = needed_memory(trace, 1 << 50)
     t_ratio, m_ratio = a_s / x_s, a_rss / x_rss
     print(f"{size / 1e6:8.1f} | {a_s:6.1f} s / {a_rss / 1e6:6.0f} MB | {x_s:6.1f} s / {x_rss / 1e6:6.0f} MB | "
           f"{t_ratio:5.2f}× | {m_ratio:5.2f}× | {estimate / 1e6:6.0f}", flush=True)

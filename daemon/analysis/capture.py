@@ -10,26 +10,50 @@ from .model import ONE_WINDOW, PART_WORDS, CaptureAnalysis, Straggler, WorkerAna
 from .worker import analyze_worker
 from .xprof import AnalysisError, find_traces
 
-# An analysis's peak memory against its largest trace, measured by bench/analysis_cost.py (xprof's own conversion
-# peaks about the same): 199 MB on a 5.2 MB trace, 1.57 GB on a 52 MB one. Rounded up, so the estimate is high.
-BASE_BYTES = 160 * 1024**2  # Python, xprof's libraries
-BYTES_PER_TRACE_BYTE = 30  # the XSpace parsed, xprof's OpStats and tables
+# An analysis's peak memory against its largest trace, measured by bench/analysis_cost.py; xprof's own conversion
+# peaks the same (its converters hold the whole trace). What grows is the events and their stats, not the bytes:
+# 29 bytes of memory per byte of a CPU trace with few stats per event, 81 per byte of the Keras demo job's trace,
+# 17 per byte of a GPU trace. Per event and stat, every measured peak is under the estimate.
+BASE_BYTES = 64 * 1024**2  # Python, xprof's libraries
+BYTES_PER_EVENT = 1024
+BYTES_PER_STAT = 320
+FLOOR_PER_TRACE_BYTE = 8  # no trace measured needs less: larger than max/8 is too large unread
 
 
 class TooLarge(AnalysisError):
     """The capture's analysis would need more memory than it may have."""
 
 
+def needed_memory(trace: Path, max_bytes: int) -> int:
+    """The memory analysing ``trace`` needs (estimated from its events and stats; from its size alone where that
+    is already more than ``max_bytes``, so a huge trace is not read to be refused)."""
+    from ..protos import xplane_pb2
+
+    size = trace.stat().st_size
+    if FLOOR_PER_TRACE_BYTE * size > max_bytes:
+        return FLOOR_PER_TRACE_BYTE * size
+    try:
+        space = xplane_pb2.XSpace.FromString(trace.read_bytes())
+    except Exception:  # a corrupt trace: xprof's own error says what is wrong with it
+        return 0
+    events = stats = 0
+    for plane in space.planes:
+        for line in plane.lines:
+            events += len(line.events)
+            stats += sum(len(event.stats) for event in line.events)
+    return BASE_BYTES + BYTES_PER_EVENT * events + BYTES_PER_STAT * stats
+
+
 def check_memory(path: Path, max_bytes: int) -> None:
     """Raise TooLarge, saying what to do, if analysing the capture would need more than ``max_bytes``."""
-    traces = find_traces(path)
-    largest = max(t.stat().st_size for t in traces)
-    needed = BASE_BYTES + BYTES_PER_TRACE_BYTE * largest
-    if needed > max_bytes:
-        raise TooLarge(f"the trace is {largest / 1e6:.0f} MB; analysing it needs about {needed / 2**20:.0f} MiB, "
-                       f"more than captures.analysis_max_memory ({max_bytes / 2**20:.0f} MiB) allows: take shorter "
-                       f"captures (captures.duration, or duration_ms), or raise captures.analysis_max_memory with the "
-                       f"memory limit; the trace is kept for `tfprofd analyze` on a machine with more memory")
+    for trace in find_traces(path):
+        needed = needed_memory(trace, max_bytes)
+        if needed > max_bytes:
+            raise TooLarge(f"{trace.name} ({trace.stat().st_size / 1e6:.0f} MB) needs about {needed / 2**20:.0f} MiB "
+                           f"to analyse, more than captures.analysis_max_memory ({max_bytes / 2**20:.0f} MiB) "
+                           f"allows: take shorter captures (captures.duration, or duration_ms), or raise "
+                           f"captures.analysis_max_memory with the memory limit; the trace is kept for `tfprofd "
+                           f"analyze` on a machine with more memory")
 
 
 def analyze(path: Path, verbose: bool = False) -> CaptureAnalysis:
