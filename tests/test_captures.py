@@ -347,7 +347,8 @@ def test_a_steady_job_gets_a_baseline_and_later_captures_say_what_changed(rig, t
 
 
 def test_a_capture_opens_in_the_xprof_viewer_for_a_user_who_cannot_write_it(rig, tmp_path):
-    """The agent leaves xprof's viewer cache complete and current, so a read-only reader sees the profile."""
+    """The agent leaves the capture as it was written (no viewer cache: most captures are never opened);
+    `tfprofd analyze --viewer-cache` on a copy leaves xprof's cache complete, so a read-only reader sees it."""
     import gzip
     import shutil
     import tempfile
@@ -361,15 +362,18 @@ def test_a_capture_opens_in_the_xprof_viewer_for_a_user_who_cannot_write_it(rig,
     record = wait_capture(agent, answer["id"])
     assert record["status"] == "done", record
     run = next(Path(record["directory"]).glob("plugins/profile/*"))
-    names = {p.name for p in run.iterdir()}
-    assert {"cache_version.txt", ".cached_tools.json", "ALL_HOSTS.op_stats_v2.pb"} <= names, names
-    assert any(n.endswith(".SSTABLE") for n in names), names  # the trace viewer's tables
+    assert all(p.name.endswith(".xplane.pb") for p in run.iterdir()), list(run.iterdir())
     directory = Path(record["directory"])
     counted = StateDir(directory.parent.parent).tree_bytes("captures", directory.name)
-    assert record["bytes"] == counted  # the cache counts in the record's bytes
+    assert record["bytes"] == counted == sum(p.stat().st_size for p in run.iterdir())
     readable = Path(tempfile.mkdtemp(prefix="tfprofd-viewer-"))  # pytest's own tmp dirs are private (0700)
     copy = readable / "capture"
     shutil.copytree(record["directory"], copy)
+    subprocess.run([sys.executable, "-m", "tfprofd.daemon.analysis", str(copy), "--viewer-cache"], check=True,
+                   stdout=subprocess.DEVNULL)
+    names = {p.name for p in next(copy.glob("plugins/profile/*")).iterdir()}
+    assert {"cache_version.txt", ".cached_tools.json", "ALL_HOSTS.op_stats_v2.pb"} <= names, names
+    assert any(n.endswith(".SSTABLE") for n in names), names  # the trace viewer's tables
     subprocess.run(["chmod", "-R", "a+rX,a-w", str(readable)], check=True)
     port, grpc_port = free_port(), free_port()
     xprof = Path(sys.executable).with_name("xprof")
