@@ -13,6 +13,7 @@ import stat
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import psutil
@@ -92,6 +93,8 @@ class Agent:
         self.servers.append(HttpServer("api", self.cfg.api.listen, api, max_body=lambda: self.cfg.api.max_body_bytes,
                                        authenticate=token.authenticate))
         self.captures.on_change = lambda: self.endpoints.exposition.forget(AGENT_PART)
+        capture_workers = self.captures.capture_workers
+        self.endpoints.workers = lambda: {"capture": asdict(capture_workers.state())}
         with self._lock:
             self._apply()
         deadline = self.env.clock.monotonic() + 2.0  # the first scrape has data, unless a collector hangs
@@ -102,6 +105,7 @@ class Agent:
             server.start(self.loop)
         release_startup_memory()
         self.captures.enforce_retention()
+        self.captures.start_workers()
         log.info("tfprofd %s serving metrics on %s:%d, control API on %s:%d, hook reports on %s", __version__,
                  *self.servers[0].address, *self.servers[1].address, self._hook_where())
 

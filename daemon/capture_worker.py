@@ -1,12 +1,14 @@
 """One profile capture, run as a short-lived process so a stuck or crashing capture never hurts the agent.
 
-Reads a JSON request on stdin, writes one JSON result line on stdout. Never imports TensorFlow.
+Started ahead of its request (daemon/workers.py keeps one waiting): it loads gRPC and the protobufs first,
+then reads one JSON request on stdin and writes one JSON result line on stdout. Never imports TensorFlow.
 
 Two modes:
 - ``agent`` (default): a ProfileRequest with ``emit_xspace`` over gRPC to every target at once, all
   told to start at the same instant (``start_timestamp_ns``), so a multi-worker capture covers one
   time window on every worker; each server answers with its trace and this process writes it. gRPC
-  status codes tell the causes apart.
+  status codes tell the causes apart. One target needs no common start; for several, the start lead
+  is measured: the slowest connection to them, doubled, within ``MIN_LEAD_S``..``MAX_LEAD_S``.
 - ``server``: the request TensorBoard's Capture Profile button sends (xprof's client); the training
   processes' profiler servers write the traces into ``logdir`` (several workers go in one
   comma-separated service address, which traces them over one window). Its errors all arrive as one
@@ -16,12 +18,14 @@ Two modes:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +33,8 @@ from .protos import profiler_pb2, xplane_pb2
 from .workers import die_with_parent
 
 EMPTY_TRACE_BYTES = 1024  # an idle process leaves a ~200-byte .xplane.pb
-START_LEAD_S = 0.3  # time for every worker to receive the request before the common start
+MIN_LEAD_S = 0.02  # several targets: at least this long for every one to receive the request before the start
+MAX_LEAD_S = 0.3  # ... and at most this long (a target slower to connect is waited for no longer)
 
 
 def _probe(address: str, timeout: float = 1.0) -> bool:
@@ -166,12 +171,15 @@ _REASON_WORDS = {
 }
 
 
+def _channel_options(max_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", max_bytes), ("grpc.enable_http_proxy", 0)]
+
+
 def _profile_one(target: str, payload: bytes, deadline: float, max_bytes: int) -> tuple[str, bytes | str]:
     """("ok", xspace bytes) or (reason, detail) for one target."""
     import grpc
 
-    options = [("grpc.max_receive_message_length", max_bytes), ("grpc.enable_http_proxy", 0)]
-    with grpc.insecure_channel(target, options=options) as channel:
+    with grpc.insecure_channel(target, options=_channel_options(max_bytes)) as channel:
         call = channel.unary_unary("/tensorflow.ProfilerService/Profile")
         try:
             response = profiler_pb2.ProfileResponse.FromString(call(payload, timeout=deadline))
@@ -194,11 +202,12 @@ def _write_new(path: Path, data: bytes) -> None:
 def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
     targets = request["targets"]
     session = time.strftime("%Y_%m_%d_%H_%M_%S", time.gmtime())
-    lead = max(START_LEAD_S, request["delay_ms"] / 1000)
-    start_ns = time.time_ns() + int(lead * 1e9)
-    deadline = max(60.0, 2 * request["duration_ms"] / 1000) + lead
-    started = time.time()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(targets)) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(targets))
+    with pool, _connections(targets, request["max_trace_bytes"]) as ready:
+        lead = max(start_lead(list(pool.map(ready, targets))), request["delay_ms"] / 1000)
+        start_ns = time.time_ns() + int(lead * 1e9) if lead else 0  # 0: start at once
+        deadline = max(60.0, 2 * request["duration_ms"] / 1000) + lead
+        started = time.time()
         answers = list(pool.map(lambda t: _profile_one(t, profile_request(request, t.rpartition(":")[0], session,
                                                                           start_ns),
                                                        deadline, request["max_trace_bytes"]), targets))
@@ -224,8 +233,46 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
     return {**_result("failed", reason, detail, logdir, started, files), "died": died}
 
 
+def start_lead(connect_s: list[float | None]) -> float:
+    """Seconds between sending the requests and the common start: none for one target (nothing to line up);
+    for several, twice the slowest connection (None: it did not connect, its call fails anyway), bounded."""
+    if len(connect_s) < 2:
+        return 0.0
+    slowest = max((t for t in connect_s if t is not None), default=MAX_LEAD_S)
+    return min(MAX_LEAD_S, max(MIN_LEAD_S, 2 * slowest))
+
+
+@contextlib.contextmanager
+def _connections(targets: list[str], max_bytes: int) -> Iterator[Callable[[str], float | None]]:
+    """For several targets: connect to each and time it, with the profile call's channel options (so gRPC
+    can share the connection with it). One target: nothing to measure."""
+    import grpc
+
+    channels: list[grpc.Channel] = []
+
+    def ready(target: str) -> float | None:
+        if len(targets) < 2:
+            return None
+        channel = grpc.insecure_channel(target, options=_channel_options(max_bytes))
+        channels.append(channel)
+        began = time.monotonic()
+        try:
+            grpc.channel_ready_future(channel).result(timeout=MAX_LEAD_S)
+        except grpc.FutureTimeoutError:
+            return None
+        return time.monotonic() - began
+
+    try:
+        yield ready
+    finally:
+        for channel in channels:
+            channel.close()
+
+
 def main() -> int:
     die_with_parent()
+    import grpc  # noqa: F401  loaded before the request arrives (a pre-started worker waits here, ready)
+
     request = json.load(sys.stdin)
     logdir = Path(request["logdir"])
     try:

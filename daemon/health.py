@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client.core import Metric
 
@@ -33,6 +34,7 @@ class Endpoints:
         self.servers = servers
         self.stopping = stopping
         self.exposition = Exposition()
+        self.workers: Callable[[], dict[str, Any]] = dict  # the worker pools' state, shown (not judged) by /healthz
         router.add("GET", "/", self.landing, inline=True)
         router.add("GET", "/metrics", self.metrics, inline=True)
         router.add("GET", "/healthz", self.healthz, inline=True)
@@ -81,7 +83,7 @@ class Endpoints:
                       for name, s in sorted(states(self.runners()).items())}
         healthy = not self.stopping() and all(c["healthy"] for c in collectors.values())
         return json_response(200 if healthy else 503, {"status": "ok" if healthy else "unhealthy",
-                                                       "collectors": collectors})
+                                                       "collectors": collectors, "workers": self.workers()})
 
     def landing(self, request: Request) -> Response:
         body = f"""<!doctype html><html><head><title>tfprofd</title></head><body>
