@@ -130,7 +130,7 @@ class WorkerPool:
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             proc.communicate()
-            return Outcome("timeout", None, "killed at its deadline")
+            return Outcome("timeout", None, "killed at its deadline", proc.pid, prestarted)
         finally:
             with self._lock:
                 self._running.discard(proc)
