@@ -22,14 +22,14 @@ WORKER = "tfprofd.daemon.capture_worker"
 
 @pytest.fixture
 def rig(tmp_path):
-    """An agent with a 5 s capture timeout (the least allowed) and a job whose profiler server accepts and never answers."""
+    """An agent with a 5 s capture timeout (the least allowed) and a job whose profiler accepts, never answers."""
     stuck = socket.socket()
     stuck.bind(("127.0.0.1", 0))
     stuck.listen(16)
     agent = AgentProcess(tmp_path, args=["--captures.timeout", "5s", "--captures.duration", "500ms",
                                          "--captures.baseline", "false", "--captures.analyze", "false"]).start()
     reporter = Reporter(job="stuck", profiler=False, addr=f"127.0.0.1:{agent.hook_port}")
-    reporter.profiler_address = "127.0.0.1:%d" % stuck.getsockname()[1]
+    reporter.profiler_address = f"127.0.0.1:{stuck.getsockname()[1]}"
     reporter.phase = "train"
     reporter.start()
     try:
@@ -116,3 +116,14 @@ def test_sigterm_leaves_no_capture_worker_behind(rig):
     assert agent.proc.returncode == 0
     wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in both), 10,
              message="every capture worker to be gone")
+
+
+def test_the_start_lead_is_none_for_one_target_and_follows_the_slowest_connection_for_several():
+    from tfprofd.daemon.capture_worker import MAX_LEAD_S, MIN_LEAD_S, start_lead
+
+    assert start_lead([None]) == 0.0  # one process: nothing to line up, it starts at once
+    assert start_lead([0.0005, 0.001]) == MIN_LEAD_S  # loopback: the floor
+    assert start_lead([0.01, 0.06]) == pytest.approx(0.12)  # twice the slowest
+    assert start_lead([0.01, 2.0]) == MAX_LEAD_S  # bounded
+    assert start_lead([0.01, None]) == pytest.approx(0.02)  # one did not connect: its call fails anyway
+    assert start_lead([None, None]) == MAX_LEAD_S
