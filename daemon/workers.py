@@ -150,7 +150,16 @@ class WorkerPool:
         return spare
 
     def _keep_spare(self) -> None:
-        """The pool's thread: keeps one pre-started worker waiting; replaces it when taken or when it exits."""
+        """The pool's thread: keeps one pre-started worker waiting; replaces it when taken or when it exits.
+        Should it fail, captures go on in workers started on request, and health says why."""
+        try:
+            self._keep_spare_loop()
+        except Exception as exc:
+            with self._lock:
+                self._last_exit = f"no more pre-started {self.name} workers: {type(exc).__name__}: {exc}"
+            log.exception("%s", self._last_exit)
+
+    def _keep_spare_loop(self) -> None:
         quick_exits = 0
         while not self._stopping.is_set():
             with self._lock:
