@@ -204,13 +204,15 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
     session = time.strftime("%Y_%m_%d_%H_%M_%S", time.gmtime())
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(targets))
     with pool, _connections(targets, request["max_trace_bytes"]) as ready:
-        lead = max(start_lead(list(pool.map(ready, targets))), request["delay_ms"] / 1000)
+        def each(call: Callable[[str], Any]) -> list[Any]:  # one target: no thread to start and hand over to
+            return [call(targets[0])] if len(targets) == 1 else list(pool.map(call, targets))
+
+        lead = max(start_lead(each(ready)), request["delay_ms"] / 1000)
         start_ns = time.time_ns() + int(lead * 1e9) if lead else 0  # 0: start at once
         deadline = max(60.0, 2 * request["duration_ms"] / 1000) + lead
         started = time.time()
-        answers = list(pool.map(lambda t: _profile_one(t, profile_request(request, t.rpartition(":")[0], session,
-                                                                          start_ns),
-                                                       deadline, request["max_trace_bytes"]), targets))
+        answers = each(lambda t: _profile_one(t, profile_request(request, t.rpartition(":")[0], session, start_ns),
+                                              deadline, request["max_trace_bytes"]))
     files: list[Path] = []
     failures = []
     for target, (outcome, data) in zip(targets, answers, strict=True):
@@ -269,9 +271,21 @@ def _connections(targets: list[str], max_bytes: int) -> Iterator[Callable[[str],
             channel.close()
 
 
+def _warm_up() -> None:
+    """What a capture needs, done before its request arrives (a pre-started worker then waits, ready): gRPC
+    loaded and its core started (its threads, the name resolver), the thread pool's module imported."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: F401  (loaded lazily by concurrent.futures)
+
+    import grpc
+
+    with grpc.insecure_channel("localhost:1", options=[("grpc.enable_http_proxy", 0)]) as channel:
+        with contextlib.suppress(grpc.FutureTimeoutError):
+            grpc.channel_ready_future(channel).result(timeout=0.05)  # port 1: refused at once, nothing sent
+
+
 def main() -> int:
     die_with_parent()
-    import grpc  # noqa: F401  loaded before the request arrives (a pre-started worker waits here, ready)
+    _warm_up()
 
     request = json.load(sys.stdin)
     logdir = Path(request["logdir"])
