@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .protos import profiler_pb2, xplane_pb2
-from .workers import die_with_parent
+from .workers import die_with_parent, signal_ready
 
 EMPTY_TRACE_BYTES = 1024  # an idle process leaves a ~200-byte .xplane.pb
 MIN_LEAD_S = 0.02  # several targets: at least this long for every one to receive the request before the start
@@ -286,6 +286,7 @@ def _warm_up() -> None:
 def main() -> int:
     die_with_parent()
     _warm_up()
+    signal_ready()
 
     request = json.load(sys.stdin)
     logdir = Path(request["logdir"])

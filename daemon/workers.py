@@ -29,6 +29,7 @@ from typing import Any
 log = logging.getLogger("tfprofd.workers")
 
 PARENT_ENV = "TFPROFD_WORKER_PARENT"
+READY_ENV = "TFPROFD_WORKER_READY_FD"  # a pre-started worker writes one byte there once it is ready
 PR_SET_PDEATHSIG = 1
 
 
@@ -43,6 +44,18 @@ def die_with_parent() -> None:
         pass
     if os.getppid() != int(parent):
         os._exit(1)
+
+
+def signal_ready() -> None:
+    """In a pre-started worker, once its imports are done: tell the pool it is ready for a request."""
+    fd = os.environ.pop(READY_ENV, None)
+    if fd is None:
+        return  # started on request or by hand: nobody waits for this
+    try:
+        os.write(int(fd), b"1")
+        os.close(int(fd))
+    except (OSError, ValueError):
+        pass  # the pool then shows it as not ready; its request is served all the same
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,7 @@ class Outcome:
 class SpareState:
     """The pre-started worker as /healthz and the metrics show it."""
 
-    ready: bool
+    ready: bool  # one is started, its imports done, waiting
     pid: int | None
     used: dict[str, int]  # workers handed a request, by how they started: prestarted, cold
     idle_exits: int  # pre-started workers that exited while waiting (and were replaced)
@@ -83,6 +96,7 @@ class WorkerPool:
         self._stopping = threading.Event()
         self._spare: subprocess.Popen | None = None
         self._spare_born = 0.0
+        self._ready_pid: int | None = None  # the latest pre-started worker that said it is ready
         self._wake = threading.Event()
         self._keeper: threading.Thread | None = None
         self._used = {"prestarted": 0, "cold": 0}
@@ -98,7 +112,8 @@ class WorkerPool:
     def state(self) -> SpareState:
         with self._lock:
             spare = self._spare
-            return SpareState(spare is not None and spare.poll() is None, spare.pid if spare else None,
+            ready = spare is not None and spare.poll() is None and self._ready_pid == spare.pid
+            return SpareState(ready, spare.pid if spare else None,
                               dict(self._used), self._idle_exits, self._last_exit)
 
     def run(self, module: str, args: list[str], stdin: str, timeout: float) -> Outcome:
@@ -177,7 +192,7 @@ class WorkerPool:
                 if self._stopping.wait(SPARE_BACKOFF_S[min(quick_exits, len(SPARE_BACKOFF_S) - 1)]):
                     break
                 try:
-                    spare = _spawn(self.prestart or "", [])
+                    spare, ready_r = _spawn_waiting(self.prestart or "")
                 except OSError as exc:
                     quick_exits += 1
                     with self._lock:
@@ -187,7 +202,7 @@ class WorkerPool:
                 with self._lock:
                     self._spare, self._spare_born = spare, time.monotonic()
                     self._running.add(spare)
-                threading.Thread(target=self._watch, args=(spare,), daemon=True,
+                threading.Thread(target=self._watch, args=(spare, ready_r), daemon=True,
                                  name=f"tfprofd-{self.name}-watch-{spare.pid}").start()
                 if self._stopping.is_set():  # stop() may have run between the spawn and the lock
                     _kill_group(spare)
@@ -195,7 +210,16 @@ class WorkerPool:
             self._wake.wait()
             self._wake.clear()
 
-    def _watch(self, proc: subprocess.Popen) -> None:
+    def _watch(self, proc: subprocess.Popen, ready_fd: int) -> None:
+        """Note when the pre-started worker is ready (a byte on its pipe; none if it exits first) and when it
+        exits."""
+        try:
+            ready = os.read(ready_fd, 1) == b"1"
+        finally:
+            os.close(ready_fd)
+        if ready:
+            with self._lock:
+                self._ready_pid = proc.pid
         proc.wait()
         self._wake.set()
 
@@ -226,10 +250,25 @@ class WorkerPool:
             _kill_group(proc)
 
 
-def _spawn(module: str, args: list[str]) -> subprocess.Popen:
+def _spawn(module: str, args: list[str], ready_fd: int | None = None) -> subprocess.Popen:
     env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    if ready_fd is not None:
+        env[READY_ENV] = str(ready_fd)
     return subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, umask=0o027)
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, umask=0o027,
+                            pass_fds=() if ready_fd is None else (ready_fd,))
+
+
+def _spawn_waiting(module: str) -> tuple[subprocess.Popen, int]:
+    """A pre-started worker and the pipe on which it says it is ready."""
+    ready_r, ready_w = os.pipe()
+    try:
+        return _spawn(module, [], ready_w), ready_r
+    except OSError:
+        os.close(ready_r)
+        raise
+    finally:
+        os.close(ready_w)
 
 
 def _exit_words(returncode: int | None) -> str:

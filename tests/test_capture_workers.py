@@ -54,9 +54,12 @@ def workers(agent: AgentProcess) -> list[psutil.Process]:
 
 
 def spare(agent: AgentProcess) -> psutil.Process:
-    """The one worker waiting for a capture (none is running)."""
-    return wait_for(lambda: (found := workers(agent)) and len(found) == 1 and found[0], 30,
-                    message="a capture worker waiting before any capture")
+    """The one worker waiting for a capture (none is running), once it says it is ready."""
+    waiting = wait_for(lambda: (found := workers(agent)) and len(found) == 1 and found[0], 30,
+                       message="a capture worker waiting before any capture")
+    wait_for(lambda: (h := capture_health(agent))["ready"] and h["pid"] == waiting.pid, 30,
+             message="the waiting worker to be ready")
+    return waiting
 
 
 def capture_health(agent: AgentProcess) -> dict:
@@ -68,7 +71,6 @@ def capture_health(agent: AgentProcess) -> dict:
 def test_a_capture_runs_in_the_worker_started_before_it_and_a_stuck_one_is_killed_at_the_timeout(rig):
     agent = rig
     waiting = spare(agent)
-    assert capture_health(agent)["ready"] is True and capture_health(agent)["pid"] == waiting.pid
     status, answer = agent.call("POST", "/captures", {"job": "stuck"})
     assert status == 202, answer
     record = wait_for(lambda: (r := agent.call("GET", f"/captures/{answer['id']}")[1])["status"] != "running" and r,
@@ -92,9 +94,9 @@ def test_a_waiting_worker_that_is_killed_is_replaced_and_health_says_so(rig):
     os.kill(waiting.pid, signal.SIGKILL)
     replacement = wait_for(lambda: (found := workers(agent)) and found[0].pid != waiting.pid and found[0], 30,
                            message="a new waiting worker")
-    health = wait_for(lambda: (h := capture_health(agent))["pid"] == replacement.pid and h, 10,
-                      message="/healthz to show the new worker")
-    assert health["ready"] is True and health["idle_exits"] == 1
+    health = wait_for(lambda: (h := capture_health(agent))["pid"] == replacement.pid and h["ready"] and h, 30,
+                      message="/healthz to show the new worker ready")
+    assert health["idle_exits"] == 1
     assert f"worker (pid {waiting.pid}) exited while idle with signal SIGKILL" in health["last_exit"], health
     assert metric_value(agent.scrape(), "tfprofd_capture_worker_idle_exits_total") == 1
     assert f"pid {waiting.pid}) exited while idle" in agent.log()
