@@ -69,6 +69,11 @@ class Agent:
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())
 
+    def worker_ready(self) -> bool:
+        """Whether a capture worker is started and waiting (/healthz)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=10) as r:
+            return json.loads(r.read())["workers"]["capture"]["ready"]
+
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait()
@@ -147,6 +152,10 @@ def trigger(tmp: Path, trials: int) -> tuple[list[float], list[float], list[floa
                 raise RuntimeError("the job did not report")
             time.sleep(0.2)
         for _ in range(trials):
+            # As in use, where captures are minutes apart, the next worker is waiting; on a loaded 2-core host
+            # the replacement of the previous one may need a few seconds to be ready.
+            while not agent.worker_ready():
+                time.sleep(0.1)
             before = log_path.read_text().count("Profiler session started")
             posted = time.time()
             capture = agent.api("POST", "/captures", {"job": "trig", "duration_ms": 500})
