@@ -207,12 +207,18 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
         def each(call: Callable[[str], Any]) -> list[Any]:  # one target: no thread to start and hand over to
             return [call(targets[0])] if len(targets) == 1 else list(pool.map(call, targets))
 
-        lead = max(start_lead(each(ready)), request["delay_ms"] / 1000)
+        connect_s = each(ready)
+        lead = max(start_lead(connect_s), request["delay_ms"] / 1000)
         start_ns = time.time_ns() + int(lead * 1e9) if lead else 0  # 0: start at once
         deadline = max(60.0, 2 * request["duration_ms"] / 1000) + lead
         started = time.time()
         answers = each(lambda t: _profile_one(t, profile_request(request, t.rpartition(":")[0], session, start_ns),
                                               deadline, request["max_trace_bytes"]))
+    # A target that accepted the connection before the start and then nothing answers there went away during
+    # the capture: it died, it did not lack a profiler server.
+    answers = [("died", str(data).replace(_REASON_WORDS["no_server"], _REASON_WORDS["died"]))
+               if outcome == "no_server" and connected is not None else (outcome, data)
+               for (outcome, data), connected in zip(answers, connect_s, strict=True)]
     files: list[Path] = []
     failures = []
     for target, (outcome, data) in zip(targets, answers, strict=True):
