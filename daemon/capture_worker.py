@@ -34,7 +34,8 @@ from .workers import die_with_parent, signal_ready
 
 EMPTY_TRACE_BYTES = 1024  # an idle process leaves a ~200-byte .xplane.pb
 MIN_LEAD_S = 0.02  # several targets: at least this long for every one to receive the request before the start
-MAX_LEAD_S = 0.3  # ... and at most this long (a target slower to connect is waited for no longer)
+MAX_LEAD_S = 0.3  # ... and at most this long
+CONNECT_WAIT_S = 1.0  # how long a target may take to connect before the start (slower: it counts as MAX_LEAD_S)
 
 
 def _probe(address: str, timeout: float = 1.0) -> bool:
@@ -265,7 +266,7 @@ def _connections(targets: list[str], max_bytes: int) -> Iterator[Callable[[str],
         channels.append(channel)
         began = time.monotonic()
         try:
-            grpc.channel_ready_future(channel).result(timeout=MAX_LEAD_S)
+            grpc.channel_ready_future(channel).result(timeout=CONNECT_WAIT_S)
         except grpc.FutureTimeoutError:
             return None
         return time.monotonic() - began
