@@ -13,7 +13,11 @@ model), ``small_batch`` (batch 2 of a tiny model: per-step overhead dominates).
 
 Every cause is far from tfprofd's thresholds (input wait and callback time are most of the step, ops run
 almost all of a compute step and little of a small-batch one), so the verdict does not hinge on how busy the
-recording machine was. Prints one JSON line: the source, cause, steps profiled and versions.
+recording machine was. Prints one JSON line: the source, cause, steps profiled and versions; before it, with
+the sources this job profiles itself (not ``keras3_tensorboard``), ``{"window": "open"}`` just before the
+profiling session starts and ``{"window": "closed"}`` just after it stops, so that a recorder can measure the
+host over the capture window as the agent does (with ``--window-ack`` the job then waits for a line on stdin:
+its threads are all there while the recorder reads the window's edge).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=1.0, help="how long to profile (about)")
     p.add_argument("--read-delay", type=float, help="input cause: seconds each batch's read waits")
     p.add_argument("--warmup", type=float, default=3.0, help="train this long before profiling")
+    p.add_argument("--window-ack", action="store_true", help="after each window line, wait for a line on stdin")
     return p.parse_args()
 
 
@@ -92,6 +97,13 @@ def build() -> keras.Model:
     return m
 
 
+def window(edge: str) -> None:
+    """Tell the recorder that the capture window opens or closes (a line on stdout)."""
+    print(json.dumps({"window": edge}), flush=True)
+    if ARGS.window_ack and not sys.stdin.readline():
+        sys.exit("the recorder went away")
+
+
 class PostProcessing(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         host_work(batch)
@@ -125,10 +137,12 @@ class Window(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.seen == self.first:
+            window("open")
             tf.profiler.experimental.start(self.logdir)
             self.started = time.perf_counter()
         elif self.seen >= self.first + 3 and time.perf_counter() - self.started >= ARGS.seconds:
             tf.profiler.experimental.stop()
+            window("closed")
             self.model.stop_training = True
         self.seen += 1
 
@@ -191,10 +205,12 @@ def custom(model: keras.Model) -> int:
     for x, y in dataset():
         now = time.perf_counter()
         if profiling is None and now - started >= ARGS.warmup:
+            window("open")
             tf.profiler.experimental.start(ARGS.logdir)
             profiling = now
         elif profiling is not None and now - profiling >= ARGS.seconds:
             tf.profiler.experimental.stop()
+            window("closed")
             return profiled
         step += 1
         if ARGS.source == "custom_markers":
