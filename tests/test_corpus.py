@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from corpus import CASES, Case, record, unpack
@@ -48,6 +49,15 @@ EXPECTED = {
     "keras3_tensorboard-spe8-compute": ("device", 10.2, 97, 216),
     "tf_keras_fit-spe8-input": ("input", 50.6, 80, 16),
     "tf_keras_fit-spe8-compute": ("device", 11.7, 98, 112),
+    # recorded beside a CPU hog per CPU: the trace alone sees CPU compute; its host samples see the starvation
+    "hook_keras3-compute-contended": ("device", 15.3, 89, 64),
+    "custom_unmarked-compute-contended": ("device", 15.5, 94, 60),
+}
+# The contended cases' host samples over the capture window: (other processes' CPUs, of the host's CPUs, the share
+# of the time the job's threads were ready to run that they waited for a CPU, in %).
+CONTENDED = {
+    "hook_keras3-compute-contended": (1.2, 2, 57),
+    "custom_unmarked-compute-contended": (1.3, 2, 65),
 }
 
 
@@ -145,6 +155,46 @@ def test_the_same_model_slowed_is_compared_with_its_healthy_trace(logdirs, pair)
     assert before == pytest.approx(EXPECTED[base][1], rel=0.05), comparison
     assert after == pytest.approx(EXPECTED[incident][1], rel=0.05), comparison
     assert comparison["summary"].endswith(f": {EXPECTED[incident][0]}"), comparison["summary"]
+
+
+HOGGED = [c for c in CASES if c.hogs]
+
+
+@pytest.mark.parametrize("case", HOGGED, ids=[c.name for c in HOGGED])
+def test_a_trace_recorded_beside_cpu_hogs_joined_with_its_host_samples_is_host_contention(logdirs, case: Case):
+    """The trace's verdict (CPU compute) joined with the host context measured over its capture window: other
+    processes took the CPUs, with the numbers; the same trace without its host samples keeps its own verdict."""
+    from tfprofd.daemon.analysis import CaptureAnalysis
+    from tfprofd.daemon.hostcontext import CONTENTION_RECOMMENDATION, apply, contention
+
+    trace = CaptureAnalysis.from_json(analyze(str(logdirs[case.name])))
+    kind, step_ms, _, _ = EXPECTED[case.name]
+    assert trace.bottleneck == kind and trace.lead.hardware == "CPU_ONLY", trace.summary
+    host = case.host()
+    assert host.job_processes == 1 and host.job_threads > 1, host  # the recording process and its threads
+    assert contention(replace(host, contention=None)) == host.contention  # the verdict is the samples' own
+
+    joined, cause = apply(trace, host)
+    assert cause is not None and joined.bottleneck == "host_contention", joined.summary
+    found = re.match(r"host_contention: other processes used (\d+\.\d) of (\d+) CPUs; the job's threads were ready "
+                     r"to run on (\d+\.\d) CPUs but ran on (\d+\.\d), waiting for a CPU (\d+)% of the time",
+                     joined.summary)
+    assert found, joined.summary
+    others, cpus, wanted, got, waited = (float(g) for g in found.groups())
+    expected_others, expected_cpus, expected_waited = CONTENDED[case.name]
+    assert others == pytest.approx(expected_others, abs=0.1) and cpus == expected_cpus, joined.summary
+    assert abs(waited - expected_waited) <= 3 and got < wanted <= cpus, joined.summary
+    assert others == pytest.approx(host.other_cores + host.tfprofd_cores, abs=0.06)
+    assert f"; the trace alone says {trace.summary}" in joined.summary
+    said_step, _ = sentence_numbers(joined.summary.partition("the trace alone says ")[2])
+    assert said_step == pytest.approx(step_ms, rel=0.05), joined.summary
+    record = joined.to_json()  # as the agent stores it: the host's cause leads, the trace's verdict beside it
+    assert (record["bottleneck"], record["trace_bottleneck"]) == ("host_contention", kind), record["summary"]
+    assert record["recommendation"] == CONTENTION_RECOMMENDATION
+    assert CaptureAnalysis.from_json(record).host_verdict == joined.host_verdict
+
+    alone, no_cause = apply(trace, None)
+    assert no_cause is None and alone == trace and alone.bottleneck == kind
 
 
 def _space(calls: int, marker: str | None = None):
