@@ -69,8 +69,8 @@ CASES = (
     *(Case(source, cause, 8, seconds=2.0, read_delay=0.05 if cause == "input" else None)
       for source in KERAS_SOURCES for cause in ("input", "compute")),
     # host contention: the compute job (CPU-bound steps) with a CPU hog per CPU beside it
-    *(Case(source, "compute", seconds=1.0, hogs=os.cpu_count() or 2)
-      for source in ("hook_keras3", "custom_unmarked")),
+    *(Case(source, "compute", seconds=SECONDS["compute"], hogs=os.cpu_count() or 2)
+      for source in ("hook_keras3", "tf_keras_fit", "custom_unmarked")),
 )
 
 
