@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from typing import Any
 
 from fake_kubelet import FakeKubelet
 
@@ -16,6 +17,26 @@ from helpers import GpuState, gpu, http, metric_value, wait_for
 
 GPU0, GPU1 = gpu(0)["uuid"], gpu(1)["uuid"]
 MIG = "MIG-4f3a7a2e-5bd2-5c4e-8a38-1f2b2d8a0c11"
+
+
+def scrape_with_bert_training(agents, socket_path, state: GpuState) -> tuple[str, Any]:
+    """An agent asking the kubelet at ``socket_path``, with this process training job "bert" on GPU 0 (real
+    /proc: our pid): its scrape once the job's pod is known, and the agent."""
+    agent = agents(args=kubernetes_args(socket_path), env=state.env(), fixtures=False)
+    state.update_gpu(0, processes=[{"pid": os.getpid(), "used_memory_bytes": 2**30}])
+    reporter = Reporter(job="bert", worker="0", profiler=False, addr=f"unix:{agent.hook_socket}")
+    try:
+        with reporter.step(batch_size=8):
+            pass
+        reporter.flush()
+
+        def labelled():
+            text = agent.scrape()
+            return text if metric_value(text, "tfprofd_training_pod_info", training_job="bert") == 1 else None
+
+        return wait_for(labelled, 30, message="the training job's pod"), agent
+    finally:
+        reporter.close()
 
 
 def test_parse_keeps_gpu_and_mig_devices_only():
@@ -90,21 +111,7 @@ def test_gpus_and_training_jobs_are_labelled_with_their_pods(agents, tmp_path, f
             "notebook": ("research", {"jupyter": {"nvidia.com/gpu": [GPU1], "cpu": ["0"]}}),
             "small": ("research", {"infer": {"nvidia.com/mig-1g.10gb": [MIG]}})}
     with FakeKubelet(socket_path, pods):
-        agent = agents(args=kubernetes_args(socket_path), env=state.env(), fixtures=False)  # real /proc: our pid
-        state.update_gpu(0, processes=[{"pid": os.getpid(), "used_memory_bytes": 2**30}])
-        reporter = Reporter(job="bert", worker="0", profiler=False, addr=f"unix:{agent.hook_socket}")
-        try:
-            with reporter.step(batch_size=8):
-                pass
-            reporter.flush()
-
-            def labelled():
-                text = agent.scrape()
-                return text if metric_value(text, "tfprofd_training_pod_info", training_job="bert") == 1 else None
-
-            text = wait_for(labelled, 30, message="the training job's pod")
-        finally:
-            reporter.close()
+        text, _ = scrape_with_bert_training(agents, socket_path, state)
     assert metric_value(text, "tfprofd_collector_success", collector="kubernetes") == 1
     assert metric_value(text, "tfprofd_gpu_pod_info", gpu="0", uuid=GPU0, namespace="ml", pod="bert-0",
                         container="trainer") == 1
@@ -132,21 +139,7 @@ def test_gpus_that_dra_allocated_label_their_pods_and_jobs(agents, tmp_path, fak
                                     [f"k8s.gpu.nvidia.com/claim={CLAIM}-gpu-0-mig-1g10gb-19-0"])],
               ("shell", "sh"): [("all-gpus", "gpu.example.com", "node-1", "dev-all", ["nvidia.com/gpu=all"])]}
     with FakeKubelet(socket_path, pods, claims):
-        agent = agents(args=kubernetes_args(socket_path), env=state.env(), fixtures=False)  # real /proc: our pid
-        state.update_gpu(0, processes=[{"pid": os.getpid(), "used_memory_bytes": 2**30}])
-        reporter = Reporter(job="bert", worker="0", profiler=False, addr=f"unix:{agent.hook_socket}")
-        try:
-            with reporter.step(batch_size=8):
-                pass
-            reporter.flush()
-
-            def labelled():
-                text = agent.scrape()
-                return text if metric_value(text, "tfprofd_training_pod_info", training_job="bert") == 1 else None
-
-            text = wait_for(labelled, 30, message="the training job's pod")
-        finally:
-            reporter.close()
+        text, agent = scrape_with_bert_training(agents, socket_path, state)
     # gpu-1 is minor 1: NVML's GPU 0, where the job trains.
     assert metric_value(text, "tfprofd_gpu_pod_info", gpu="0", uuid=GPU0, namespace="ml", pod="bert-0",
                         container="trainer") == 1
