@@ -7,13 +7,16 @@ processes are free again. Metrics are computed from the records at scrape time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
+import psutil
 from prometheus_client.core import Metric
 
 from tfprofd.exporter.base import Clock, counter, gauge
@@ -31,6 +34,18 @@ log = logging.getLogger("tfprofd.captures")
 
 CAPTURE_WORKER = "tfprofd.daemon.capture_worker"
 AGENT_MODE_DIR = 0o750  # the agent writes the trace itself: its group may read, nobody else
+
+
+def default_analysis_memory(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """A quarter of the memory this agent may use: the host's, or its cgroup (v2) limit where that is lower."""
+    total = psutil.virtual_memory().total
+    with contextlib.suppress(OSError, ValueError):
+        for line in (proc / "self" / "cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                limit = (cgroup_root / line[3:].lstrip("/") / "memory.max").read_text().strip()
+                if limit.isdigit():
+                    total = min(total, int(limit))
+    return total // 4
 
 
 class CaptureService:
@@ -204,8 +219,9 @@ class CaptureService:
         worker's timeout counts from its start, the wait for a free one is bounded on its own."""
         settings = self.settings()
         timeout, queue = settings.analysis_timeout, settings.analysis_queue_timeout
-        outcome = self.analysis_workers.run("tfprofd.daemon.analysis", [record.directory, "--json", "--max-memory",
-                                                                        str(settings.analysis_max_memory)],
+        budget = settings.analysis_max_memory or default_analysis_memory()
+        outcome = self.analysis_workers.run("tfprofd.daemon.analysis",
+                                            [record.directory, "--json", "--max-memory", str(budget)],
                                             "", timeout, queue_timeout=queue)
         if outcome.queued_s >= 1:
             log.info("capture %s waited %.0fs for a free analysis worker", record.id, outcome.queued_s)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from test_core_units import FakeClock, Registry
 
-from tfprofd.daemon.captures import CaptureService
+from tfprofd.daemon.captures import CaptureService, default_analysis_memory
 from tfprofd.daemon.config import CaptureSettings
 from tfprofd.daemon.policy import CapturePolicy
 from tfprofd.daemon.records import RecordStore
@@ -29,6 +29,22 @@ def test_a_queue_wait_past_its_bound_fails_saying_so(tmp_path, monkeypatch):
     outcome = pool.run("json.tool", [], "{}", timeout=60, queue_timeout=0.5)
     assert outcome.status == "queued" and "no free analysis worker within" in outcome.detail, outcome
     assert outcome.queued_s >= 0.5
+
+
+def test_the_default_memory_budget_is_a_quarter_of_what_the_agent_may_use(tmp_path):
+    """A fast job's default 2 s capture (54 MB, about 4 GB to analyse) must not be too large on a host with room
+    for it: the budget follows the host, and a cgroup limit below the host's memory."""
+    import psutil
+
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self" / "cgroup").write_text("0::/system.slice/tfprofd.service\n")
+    unit = tmp_path / "cg" / "system.slice" / "tfprofd.service"
+    unit.mkdir(parents=True)
+    (unit / "memory.max").write_text("max\n")
+    host = psutil.virtual_memory().total
+    assert default_analysis_memory(tmp_path, tmp_path / "cg") == host // 4
+    (unit / "memory.max").write_text(f"{2 * 2**30}\n")
+    assert default_analysis_memory(tmp_path, tmp_path / "cg") == min(host, 2 * 2**30) // 4
 
 
 def service(tmp_path: Path, traces: list[bytes | int], **settings) -> CaptureService:
