@@ -22,6 +22,7 @@ from .analysis import compare  # stdlib-only at import: xprof loads in the analy
 from .config import CaptureSettings
 from .errors import AmbiguousJob, DomainError, StorageError
 from .jobs import JobRegistry, Target
+from .pending import PendingCaptures, PendingEntry, run_on_pending
 from .policy import Admission, CapturePolicy
 from .records import ACTIVE, FINISHED, TRIGGERS, CaptureRecord, RecordStore, new_id
 from .workers import WorkerPool
@@ -43,6 +44,8 @@ class CaptureService:
         self.analysis_workers = WorkerPool("analysis", limit=2)  # xprof needs 200-450 MB each
         self._records: dict[str, CaptureRecord] = {}
         self._finished: dict[tuple[str, str], int] = {}
+        self._discarded: dict[str, int] = {}  # rule -> captures taken on pending and discarded
+        self.pending = PendingCaptures(clock.monotonic)
         self._threads: set[threading.Thread] = set()
         self._stopped = False
         self._lock = threading.Lock()
@@ -61,7 +64,8 @@ class CaptureService:
 
     def request(self, trigger: str, job: str | None = None, gpu: str | None = None, *, one_job: bool = False,
                 duration_ms: int | None = None, options: dict[str, int] | None = None, rule: str | None = None,
-                alert: str | None = None, cooldown: float = 0.0) -> list[CaptureRecord]:
+                alert: str | None = None, cooldown: float = 0.0,
+                pending: PendingEntry | None = None) -> list[CaptureRecord]:
         """Start captures for a job, a GPU, or every job (one per job). Raises the registry's and the policy's
         domain errors, AmbiguousJob (``one_job`` and several match) and StorageError."""
         groups = self.jobs.targets(job, gpu)
@@ -73,7 +77,7 @@ class CaptureService:
         for group in groups:  # one job's refusal does not stop the others' captures
             try:
                 records.append(self.start(trigger, group, duration_ms=duration_ms, options=options, rule=rule,
-                                          alert=alert, gpu=gpu, cooldown=cooldown))
+                                          alert=alert, gpu=gpu, cooldown=cooldown, pending=pending))
             except DomainError as exc:
                 errors.append(exc)
                 if len(groups) > 1:
@@ -84,7 +88,7 @@ class CaptureService:
 
     def start(self, trigger: str, targets: list[Target], *, duration_ms: int | None = None,
               options: dict[str, int] | None = None, rule: str | None = None, alert: str | None = None,
-              gpu: str | None = None, cooldown: float = 0.0) -> CaptureRecord:
+              gpu: str | None = None, cooldown: float = 0.0, pending: PendingEntry | None = None) -> CaptureRecord:
         s = self.settings()
         budget = None if trigger == "baseline" else s.max_per_hour  # baselines keep their own schedule
         admission = self.policy.admit(targets, budget, rule=rule, cooldown=cooldown, automatic=trigger != "manual")
@@ -110,7 +114,7 @@ class CaptureService:
                    "logdir": record.directory, "max_trace_bytes": s.max_trace_bytes,
                    "host_tracer_level": s.host_tracer_level, "device_tracer_level": s.device_tracer_level,
                    "python_tracer_level": s.python_tracer_level, "delay_ms": int(s.delay * 1000), **(options or {})}
-        thread = threading.Thread(target=self._run, args=(record, request, admission), daemon=True,
+        thread = threading.Thread(target=self._run, args=(record, request, admission, pending), daemon=True,
                                   name=f"tfprofd-capture-{record.id}")
         with self._lock:
             self._threads.add(thread)
@@ -119,9 +123,13 @@ class CaptureService:
 
     # ---- running one ----
 
-    def _run(self, record: CaptureRecord, request: dict[str, Any], admission: Admission) -> None:
+    def _run(self, record: CaptureRecord, request: dict[str, Any], admission: Admission,
+             pending: PendingEntry | None = None) -> None:
         try:
-            self._capture(record, request, admission)
+            if pending is not None:  # started when its rule went pending: kept only if the rule fires
+                run_on_pending(self, record, request, admission, pending)
+            else:
+                self._capture(record, request, admission)
             if record.status == "done" and self.settings().analyze:
                 record.status = "analyzing"
                 self._save(record)
@@ -170,8 +178,11 @@ class CaptureService:
     def _analyze(self, record: CaptureRecord) -> None:
         """Analyse the trace in a worker process (xprof needs 200-450 MB the agent must not hold)."""
         timeout = self.settings().analysis_timeout
-        outcome = self.analysis_workers.run("tfprofd.daemon.analysis", [record.directory, "--json", "--viewer-cache"],
-                                            "", timeout)
+        module, args = "tfprofd.daemon.analysis", [record.directory, "--json", "--viewer-cache"]
+        if (record.context or {}).get("on_pending"):  # split at the drop, say when the trace begins
+            drop_at = record.context.get("drop_at")
+            module, args = "tfprofd.daemon.onset", [*args, *(["--drop-at", str(drop_at)] if drop_at else [])]
+        outcome = self.analysis_workers.run(module, args, "", timeout)
         result = outcome.result
         if result is None or "error" in result:
             detail = (result or {}).get("error") or {"timeout": f"analysis did not finish within {timeout:.0f}s",
@@ -190,6 +201,10 @@ class CaptureService:
                 result["summary"] = f"{comparison['summary']} ({result['summary']})"
         record.status, record.analysis = "done", result
         log.info("capture %s analysed: job=%s %s", record.id, record.job, result.get("summary"))
+
+    def count_discarded(self, rule: str) -> None:
+        with self._lock:
+            self._discarded[rule] = self._discarded.get(rule, 0) + 1
 
     def _save(self, record: CaptureRecord) -> None:
         if self._stopped and record.status in ACTIVE:  # stop() saved it final
@@ -258,6 +273,7 @@ class CaptureService:
 
         A capture thread that has not ended within ``timeout`` (a busy host) may not end before the process
         exits: its record is saved final here, and nothing saves it active again."""
+        self.pending.stop()
         self.capture_workers.stop()
         self.analysis_workers.stop()
         with self._lock:
@@ -278,9 +294,13 @@ class CaptureService:
         with self._lock:
             records = list(self._records.values())
             counts = {(t, s): self._finished.get((t, s), 0) for t in TRIGGERS for s in FINISHED}
+            discarded = sorted(self._discarded.items())
         known = self.jobs.jobs()
         yield counter("captures", "Captures finished since the agent started, by trigger and final status.",
                       ["trigger", "status"], (([t, s], n) for (t, s), n in sorted(counts.items())))
+        yield counter("captures_discarded", "Captures started when their rule went pending and discarded because "
+                      "the rule did not fire (they still counted against the hourly budget and cooldown).", ["rule"],
+                      (([rule], n) for rule, n in discarded))
         yield gauge("captures_running", "Captures in progress (tracing or being analysed).", [],
                     [((), sum(1 for r in records if r.status in ACTIVE))])
         yield gauge("capture_held_seconds", "Seconds left before automatic captures of the job run again (a process "
