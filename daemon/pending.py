@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .rules import CLEARED, FIRING, PENDING, RESOLVED, Transition
@@ -210,8 +210,11 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
             return
         log.info("capture %s: %s; one capture at pending instead", record.id, armed.get("detail"))
     record.context["mode"] = "capture"
-    service._capture(record, request, admission)
+    taken = replace(record)  # the record stays running until the rule decides
+    service._capture(taken, request, admission)
     outcome = service.pending.wait(entry)
+    for name in ("status", "reason", "detail", "started_at", "files", "finished_at"):
+        setattr(record, name, getattr(taken, name))
     if outcome != FIRED and record.status == "done":
         discard(service, record, outcome)
 
