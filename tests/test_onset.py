@@ -163,7 +163,7 @@ def test_a_capture_taken_on_pending_is_discarded_and_counted_when_the_rule_clear
 
 
 def test_a_flapping_rule_cannot_profile_a_job_continuously(tmp_path, profiler, caplog):
-    handler, address = profiler
+    _, address = profiler
     caplog.set_level(logging.INFO, logger="tfprofd")
     captures = service(tmp_path, address, max_per_hour=1)
     for _ in range(3):
@@ -179,7 +179,7 @@ def test_a_flapping_rule_cannot_profile_a_job_continuously(tmp_path, profiler, c
 
 
 def test_a_pending_rule_that_never_fires_is_discarded_at_its_deadline(tmp_path, profiler):
-    handler, address = profiler
+    _, address = profiler
     captures = service(tmp_path, address)
     rule = Rule("r", "", RULE.conditions, for_seconds=0.5, cooldown=0)
     on_transition(Transition(PENDING, rule, {"training_job": "a"}, 0.5), captures, True, 0.1, None)
@@ -261,5 +261,5 @@ def test_snapshots_that_hold_the_drop_compare_the_steps_before_with_the_steps_af
 
 
 def test_a_trace_that_begins_after_the_drop_says_how_long_after():
-    lead, section = onset([facts(40, 110, 31), facts(41, 112, 32)], 103.0)
+    _, section = onset([facts(40, 110, 31), facts(41, 112, 32)], 103.0)
     assert not section["holds_drop"] and section["first_slow_step_after_drop_s"] == pytest.approx(7.0)
