@@ -189,12 +189,13 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
     if s.snapshots and request["mode"] == "agent" and len(request["targets"]) == 1:
         ring = RingWorker({**request, "interval": s.snapshot_interval, "keep": s.snapshot_keep,
                            "max_bytes": s.snapshot_max_bytes, "rpc_timeout": 30.0,
+                           "min_s": request["duration_ms"] / 1000,
                            "deadline_s": max(0.0, entry.deadline - service.clock.monotonic()) + 60})
         armed = ring.answer(s.timeout)
         if armed.get("armed"):
             record.context["mode"] = "snapshots"
             outcome = service.pending.wait(entry)
-            result = ring.finish("keep" if outcome == FIRED else "drop", s.timeout)
+            result = ring.finish("keep" if outcome == FIRED else "drop", s.timeout + request["duration_ms"] / 1000)
             service.policy.release(admission)
             if outcome != FIRED:
                 discard(service, record, outcome)

@@ -155,16 +155,27 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         return session.error(exc)
     say({"armed": True, "at": time.time()})
     ring = Ring(request["keep"], request["max_bytes"])
-    deadline = time.monotonic() + request["deadline_s"]
-    next_at = time.monotonic() + request["interval"]
+    armed = time.monotonic()
+    deadline = armed + request["deadline_s"]
+    next_at = armed + request["interval"]
+    keep_at = None  # once told to keep: when the ring covers at least min_s since arming
     failures = 0
     try:
         while True:
             now = time.monotonic()
+            if keep_at is not None and now >= keep_at:
+                break
             if now >= deadline:
                 return {"status": "discarded", "reason": "expired", "detail": "no decision before the deadline"}
-            command = _command(min(next_at, deadline) - now)
+            wake = min(next_at, deadline, keep_at if keep_at is not None else deadline)
+            if keep_at is None:
+                command = _command(wake - now)
+            else:
+                time.sleep(max(0.0, wake - now))
+                command = None
             if command is None:
+                if time.monotonic() < next_at:
+                    continue
                 next_at += request["interval"]
                 try:
                     snap = session.snapshot()
@@ -179,24 +190,25 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
                 continue
             if command != "keep":
                 return {"status": "discarded", "reason": "dropped", "detail": "the rule did not fire"}
-            try:
-                snap = session.snapshot()
-            except grpc.RpcError as exc:
-                if not ring.items:
-                    return session.error(exc)
-                snap = None
-            if snap is not None:
-                ring.add(snap)
+            keep_at = max(time.monotonic(), armed + request.get("min_s", 0.0))
+        try:
+            snap = session.snapshot()
+        except grpc.RpcError as exc:
             if not ring.items:
-                return {"status": "failed", "reason": "empty_trace", "detail": f"{target}: the profiler server "
-                        "collected no events: was the process idle?"}
-            logdir = Path(request["logdir"])
-            written = write_ring(ring, target, logdir)
-            return {"status": "done", "reason": None, "rpc_sent_at": written[0]["begin_ns"] / 1e9 or None,
-                    "detail": f"{len(written)} snapshot(s) of {target}" + (
-                        f" ({ring.dropped} older ones dropped by the ring's bounds)" if ring.dropped else ""),
-                    "files": [w["file"] for w in written], "snapshots": written, "dropped": ring.dropped,
-                    "bytes": sum(w["bytes"] for w in written)}
+                return session.error(exc)
+            snap = None
+        if snap is not None:
+            ring.add(snap)
+        if not ring.items:
+            return {"status": "failed", "reason": "empty_trace", "detail": f"{target}: the profiler server "
+                    "collected no events: was the process idle?"}
+        logdir = Path(request["logdir"])
+        written = write_ring(ring, target, logdir)
+        return {"status": "done", "reason": None, "rpc_sent_at": written[0]["begin_ns"] / 1e9 or None,
+                "detail": f"{len(written)} snapshot(s) of {target}" + (
+                    f" ({ring.dropped} older ones dropped by the ring's bounds)" if ring.dropped else ""),
+                "files": [w["file"] for w in written], "snapshots": written, "dropped": ring.dropped,
+                "bytes": sum(w["bytes"] for w in written)}
     finally:
         session.stop()
 
