@@ -24,20 +24,24 @@ from typing import Any
 DROP_RATIO = 1.5  # a step this much slower than the median of the steps before it starts a drop
 
 
-def split_at_drop(times: Sequence[float], ratio: float = DROP_RATIO) -> int | None:
-    """Index of the first slow value: at least ``ratio`` x the median of every value before it, and the next
-    value slow too (one long step is no drop). None when nothing before it (index 0) or no drop."""
-    for i in range(1, len(times)):
-        before = statistics.median(times[:i])
-        slow = [t >= ratio * before for t in times[i:i + 2]]
-        if before > 0 and all(slow):
-            return i
-    return None
+def split_at_drop(times: Sequence[float], ratio: float = DROP_RATIO, last: bool = False,
+                  min_before: int = 1, lookback: int = 30) -> int | None:
+    """Index where a slow streak starts: the value and the next one at least ``ratio`` x the median of the (up to
+    ``lookback``) values before it, which itself was not (one long step is no drop). The first such index, or
+    the ``last``; None when there is none (a series slow from its start has no before)."""
+    found = None
+    for i in range(max(1, min_before), len(times)):
+        before = statistics.median(times[max(0, i - lookback):i])
+        if before > 0 and all(t >= ratio * before for t in times[i:i + 2]) and times[i - 1] < ratio * before:
+            if not last:
+                return i
+            found = i
+    return found
 
 
 def drop_time(points: Sequence[tuple[float, float]], ratio: float = DROP_RATIO) -> float | None:
-    """Time of the first slow sample of a (time, step seconds) series, or None if it shows no drop."""
-    i = split_at_drop([v for _, v in points], ratio)
+    """Time of the first slow sample of the latest drop in a (time, step seconds) series, or None."""
+    i = split_at_drop([v for _, v in points], ratio, last=True, min_before=5)
     return None if i is None else points[i][0]
 
 

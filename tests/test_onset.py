@@ -240,7 +240,9 @@ def test_the_split_finds_where_step_time_jumps():
     assert split_at_drop([10, 10, 40, 10, 10]) is None  # one long step is no drop
     assert split_at_drop([30, 31, 30]) is None  # already slow: nothing before it
     assert split_at_drop([10, 10, 10, 30]) == 3  # the last step counts
-    assert drop_time([(1.0, 0.1), (2.0, 0.1), (3.0, 0.4), (4.0, 0.4)]) == 3.0
+    noisy_start = [0.5, 0.1, 0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.4, 0.4, 0.4]  # warm-up, then the drop at 8
+    assert drop_time(list(enumerate(noisy_start))) == 8
+    assert drop_time(list(enumerate([0.1] * 10))) is None
 
 
 def facts(cycle: float, begin_s: float, input_ms: float) -> dict:

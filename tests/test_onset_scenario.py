@@ -33,6 +33,7 @@ def test_a_transient_input_slowdown_is_traced_from_its_onset_and_named(tmp_path)
             return done[-1] if done else None
 
         record = wait_for(kept, SLOW_AFTER + SLOW_FOR + 240, interval=1.0, message="a rule's capture to be analysed")
+        wait_for(lambda: "recovered" in log.read_text(), SLOW_FOR + 60, interval=0.5, message="the job to recover")
     finally:
         job.kill()
         job.wait()
