@@ -265,3 +265,20 @@ def test_snapshots_that_hold_the_drop_compare_the_steps_before_with_the_steps_af
 def test_a_trace_that_begins_after_the_drop_says_how_long_after():
     _, section = onset([facts(40, 110, 31), facts(41, 112, 32)], 103.0)
     assert not section["holds_drop"] and section["first_slow_step_after_drop_s"] == pytest.approx(7.0)
+
+
+def test_capture_on_pending_is_set_by_yaml_env_or_flag_and_validated(tmp_path):
+    from tfprofd.daemon import config
+
+    path = tmp_path / "tfprofd.yaml"
+    path.write_text("captures:\n  on_pending: false\n  snapshot_keep: 4\n")
+    cfg = config.load(str(path), env={"TFPROFD_CAPTURES_SNAPSHOT_INTERVAL": "1s"},
+                      flags={"captures.snapshots": "false"})
+    assert (cfg.captures.on_pending, cfg.captures.snapshot_keep, cfg.captures.snapshot_interval,
+            cfg.captures.snapshots) == (False, 4, 1.0, False)
+    assert config.load(None, env={}).captures.on_pending is True
+    path.write_text("captures:\n  snapshot_keep: 0\n  snapshot_interval: 10ms\n")
+    with pytest.raises(config.ConfigError) as info:
+        config.load(str(path), env={})
+    text = " ".join(map(str, info.value.problems))
+    assert "captures.snapshot_keep" in text and "captures.snapshot_interval" in text
