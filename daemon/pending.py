@@ -200,8 +200,8 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
             if outcome != FIRED:
                 discard(service, record, outcome)
                 return
-            _apply(record, result, service.clock.time())
             record.context["snapshots"] = result.get("snapshots", [])
+            _apply(record, result, service.clock.time())
             return
         ring.proc.wait()
         if armed.get("status") != "unimplemented":
@@ -214,20 +214,23 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
     taken = replace(record)  # the record stays running until the rule decides
     service._capture(taken, request, admission)
     outcome = service.pending.wait(entry)
-    for name in ("status", "reason", "detail", "started_at", "files", "finished_at"):
-        setattr(record, name, getattr(taken, name))
-    if outcome != FIRED and record.status == "done":
+    record.started_at = taken.started_at
+    if outcome != FIRED and taken.status == "done":
         discard(service, record, outcome)
+        return
+    for name in ("reason", "detail", "files", "finished_at", "status"):  # status last: readers see a whole record
+        setattr(record, name, getattr(taken, name))
 
 
 def _apply(record: CaptureRecord, result: dict[str, Any], now: float) -> None:
-    record.status, record.reason, record.detail = result["status"], result.get("reason"), result.get("detail")
+    record.reason, record.detail = result.get("reason"), result.get("detail")
     record.started_at = result.get("rpc_sent_at")
     record.files = list(result.get("files", []))
     record.finished_at = now
     spans = [s for s in result.get("snapshots", []) if s.get("begin_ns") and s.get("end_ns")]
     if spans:
         record.duration_ms = int((spans[-1]["end_ns"] - spans[0]["begin_ns"]) / 1e6)
+    record.status = result["status"]  # last: readers see a whole record
 
 
 def discard(service: CaptureService, record: CaptureRecord, outcome: str) -> None:
@@ -238,9 +241,10 @@ def discard(service: CaptureService, record: CaptureRecord, outcome: str) -> Non
         freed, left = 0, [str(exc)]
     for problem in left[:5]:
         log.warning("capture %s: could not delete %s", record.id, problem)
-    record.status, record.reason, record.files = "discarded", outcome, []
+    record.reason, record.files = outcome, []
     record.detail = {CLEARED_OUT: "the rule stopped pending before it fired", EXPIRED: "the rule did not fire in time",
                      STOPPED: "the agent stopped before the rule fired"}.get(outcome, outcome)
     record.finished_at = record.finished_at or time.time()
     service.count_discarded(record.rule or "")
+    record.status = "discarded"  # last: readers see a whole record
     log.info("capture %s discarded (%s): %d bytes freed", record.id, record.detail, freed)

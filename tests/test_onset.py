@@ -151,7 +151,7 @@ def test_a_capture_taken_on_pending_is_discarded_and_counted_when_the_rule_clear
         wait_for(lambda: list(Path(record.directory).rglob("*.xplane.pb")), 30, message="the trace")
     on_transition(transition(CLEARED), captures, True, 1.0, None)
     record = ended(captures, record.id)
-    assert (record.status, record.reason, record.files) == ("discarded", "cleared", [])
+    assert (record.status, record.reason, record.files) == ("discarded", "cleared", []), record
     assert not Path(record.directory).exists()
     assert discarded(captures) == {"throughput_drop": 1}
     if handler.continuous:
