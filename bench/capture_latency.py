@@ -25,9 +25,11 @@ from tfprofd.exporter.hook import Reporter
 from common import free_port, wait_http
 from helpers import GpuState, build_fakenvml, gpu
 
+QUICK = "--quick" in sys.argv  # one trial of each, a 2 s rule: the bench runs, no target means anything
 INTERVAL = 1.0
-FOR = 10.0
-TRIALS = 4
+FOR = 2.0 if QUICK else 10.0
+TRIALS = 1 if QUICK else 4
+TOKENS: dict[int, str] = {}  # API port -> the control API token its agent wrote
 RULES = f"""
 rules:
   - name: low_gpu_utilization
@@ -40,8 +42,10 @@ rules:
 
 
 def api(port: int, method: str, path: str, body: dict | None = None) -> dict:
+    """A control API request with the token of the agent listening on ``port``."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/api/v1{path}", data=data, method=method)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/api/v1{path}", data=data, method=method,
+                                 headers={"Authorization": f"Bearer {TOKENS[port]}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 
@@ -53,10 +57,12 @@ def start_agent(tmp: Path, state: GpuState) -> tuple[subprocess.Popen, int, int,
     proc = subprocess.Popen(
         [sys.executable, "-m", "tfprofd.daemon", "run", "--config", str(config), "--listen", f"127.0.0.1:{port}",
          "--api.listen", f"127.0.0.1:{api_port}", "--hook.listen", f"127.0.0.1:{hook_port}",
+         "--hook.socket", str(tmp / "hook.sock"),  # not the host's default socket another agent may hold
          "--state-dir", str(tmp / "state"), "--interval", f"{INTERVAL}s", "--captures.max-per-hour", "1000",
          "--captures.duration", "500ms"],
         env={**os.environ, **state.env()}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_http(f"http://127.0.0.1:{port}/healthz")
+    TOKENS[api_port] = (tmp / "state" / "api.token").read_text().strip()  # written before the agent serves
     return proc, port, api_port, hook_port
 
 

@@ -8,7 +8,8 @@ abi3 wheels, about 5 MB): the GPU machine has NVML but no package registry, and 
 directory alone on its path, against the real ``libnvidia-ml.so.1``, for ``--seconds`` (60), scrapes it,
 lints the scrape with promtool where there is one, and prints: the GPU model and driver, every GPU series,
 which NVML readings each GPU has, each collector's success and sampling duration, and every NVML call
-that failed. It writes the scrape, the log and the summary to ``$OUT`` (or ``--out``) when set.
+that failed. It writes the scrape, the log and the summary to ``$OUT`` (or ``--out``) when set. It exits 1,
+saying why, where NVML cannot be loaded or initialized or reports no GPU: nothing was checked there.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / ".gpu-check" / "site"
 PACKAGES = ("prometheus-client", "nvidia-ml-py", "psutil", "pyyaml")
 SERIES = re.compile(r"^tfprofd_(gpu|gpus|mig|nvml)[a-z_]*[{ ]")
+NVML_UNAVAILABLE = re.compile(r"NVML unavailable \(([^)]*)\)")
 SAMPLE = re.compile(r'^(?P<name>[a-z_]+)(\{(?P<labels>.*)\})? (?P<value>\S+)$')
 
 
@@ -45,8 +47,8 @@ def build() -> int:
     return 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -66,17 +68,30 @@ def parse(text: str) -> list[tuple[str, dict[str, str], float]]:
     return out
 
 
-def run(seconds: float, out: Path | None) -> int:
-    if not (SITE / "tfprofd").is_dir():
-        print(f"{SITE} is missing: run `python3 bench/gpu_check.py build` where pip can reach an index",
+def nvml_problem(text: str, log: str) -> str | None:
+    """Why the run checked no GPU (NVML unavailable, or no GPU reported), or None."""
+    unavailable = NVML_UNAVAILABLE.search(log)
+    if unavailable:
+        return (f"NVML is unavailable on this host ({unavailable[1]}): no NVIDIA driver, or no libnvidia-ml.so.1 "
+                "where the dynamic loader looks (ldconfig -p | grep nvidia-ml; LD_LIBRARY_PATH). Run it on a "
+                "machine with an NVIDIA GPU and its driver")
+    count = next((value for name, _, value in parse(text) if name == "tfprofd_gpus"), None)
+    if not count:
+        return "NVML loaded but reports no GPU on this host (tfprofd_gpus 0): nothing was checked"
+    return None
+
+
+def run(seconds: float, out: Path | None, site: Path = SITE) -> int:
+    if not (site / "tfprofd").is_dir():
+        print(f"{site} is missing: run `python3 bench/gpu_check.py build` where pip can reach an index",
               file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="tfprofd-gpu-check-"))
     port = free_port()
     args = [sys.executable, "-S", "-m", "tfprofd.daemon", "run", "--listen", f"127.0.0.1:{port}",
-            "--api.listen", f"127.0.0.1:{free_port()}", "--hook.listen", f"127.0.0.1:{free_port()}",
+            "--api.listen", f"127.0.0.1:{free_port()}", "--hook.listen", f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}",
             "--hook.socket", str(tmp / "hook.sock"), "--state-dir", str(tmp / "state"), "--interval", "1s"]
-    env = {**os.environ, "PYTHONPATH": str(SITE), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1"}
     env.pop("TFPROFD_CONFIG", None)
     log_path = tmp / "agent.log"
     with open(log_path, "wb") as log:
@@ -94,7 +109,7 @@ def run(seconds: float, out: Path | None) -> int:
                     time.sleep(0.2)
             started = time.monotonic()
             durations: dict[str, list[float]] = {}
-            while time.monotonic() - started < seconds:
+            while time.monotonic() - started < seconds and not NVML_UNAVAILABLE.search(log_path.read_text()):
                 for name, labels, value in parse(scrape(port)):
                     if name == "tfprofd_collector_duration_seconds":
                         durations.setdefault(labels["collector"], []).append(value)
@@ -115,6 +130,10 @@ def run(seconds: float, out: Path | None) -> int:
         (out / "metrics.prom").write_text(text)
         (out / "agent.log").write_text(log_path.read_text())
         (out / "summary.txt").write_text(summary)
+    problem = nvml_problem(text, log_path.read_text())
+    if problem:
+        print(f"gpu-check FAILED: {problem}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -149,8 +168,9 @@ def main() -> int:
     parser.add_argument("step", choices=("build", "run"))
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    parser.add_argument("--site", type=Path, default=SITE, help="where `build` put the agent (run only)")
     options = parser.parse_args()
-    return build() if options.step == "build" else run(options.seconds, options.out)
+    return build() if options.step == "build" else run(options.seconds, options.out, options.site)
 
 
 if __name__ == "__main__":

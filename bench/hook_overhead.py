@@ -55,11 +55,13 @@ from keras.src.callbacks.callback_list import CallbackList
 
 from tfprofd.exporter.hook import TfprofdCallback
 
+QUICK = "--quick" in sys.argv  # one process of a second, small loops: the bench runs, no target means anything
 STEPS = 1500  # of the dataset
 BATCH = 16
 BLOCK = 25  # steps per turn
-SECONDS = 60  # of turns per process
-MIN_PROCESSES, MAX_PROCESSES = 4, 10
+SECONDS = 1 if QUICK else 60  # of turns per process
+MIN_PROCESSES, MAX_PROCESSES = (1, 1) if QUICK else (4, 10)
+MICRO = 2_000 if QUICK else 200_000  # iterations of the per-batch hooks (a report: a hundredth of that)
 TARGET = 0.99
 PRECISE = 0.0025  # a confidence interval within ±0.25% is precise enough whatever the effect
 # Fewer, steadier threads on a small machine: round-to-round noise otherwise dwarfs the effect.
@@ -161,7 +163,7 @@ def micro(model: keras.Model) -> dict[str, float]:
     """The callback's per-batch hooks in a tight loop (profiling off) and one report, in microseconds."""
     callback = TfprofdCallback(job="micro", profiler=False)
     callback.set_model(model)
-    n = 200_000
+    n = MICRO
     t0 = time.perf_counter()
     for i in range(n):  # Keras calls both; the callback's own work is in the first
         callback.on_train_batch_begin(i)
@@ -174,7 +176,7 @@ def micro(model: keras.Model) -> dict[str, float]:
     callback.on_train_begin()  # the exact counts a report reads from TensorFlow, as during fit()
     callback.on_epoch_begin(0)
     callback.on_train_batch_begin(0)  # opens the count's segment: a report reads the TensorFlow variable
-    n = 2000
+    n = MICRO // 100
     t0 = time.perf_counter()
     for _i in range(n):
         callback.reporter.flush()
@@ -196,7 +198,8 @@ def worker() -> None:
 def main() -> dict[str, float]:
     runs: list[dict] = []
     while len(runs) < MAX_PROCESSES:
-        out = subprocess.run([sys.executable, __file__, "--worker"], capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, __file__, "--worker", *sys.argv[1:]], capture_output=True, text=True,
+                             check=True)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         ratios = {v: [run["ratios"][v] for run in runs] for v in BASELINE_OF}
         medians = "  ".join(f"{v} {statistics.median(ratios[v][-1]):.4f}" for v in BASELINE_OF)
@@ -225,7 +228,7 @@ def main() -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--worker"]:
+    if "--worker" in sys.argv:
         worker()
     else:
         main()

@@ -12,6 +12,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,14 +24,17 @@ from tfprofd.exporter.registry import COLLECTORS, signal_catalog
 
 from . import __version__, logs
 from . import config as configmod
+from .analysis.onset import drop_time
 from .api import ControlApi, Token, alert_is_for_host
 from .baselines import Baselines
 from .captures import CaptureService
+from .cluster import PeerFinder
 from .forwarding import AlertForwarder
 from .health import AGENT_PART, Endpoints
+from .hostcontext import HostMonitor
 from .httpserver import EventLoop, HttpServer, Router
+from .jobcapture import JobCaptures, PeerClient
 from .jobs import JobRegistry
-from .onset import drop_time
 from .pending import on_transition
 from .policy import CapturePolicy
 from .records import RecordStore, make_dir
@@ -40,6 +44,7 @@ from .sampler import CollectorRunner, Snapshot
 log = logging.getLogger("tfprofd.agent")
 M_ARENA_MAX = -8  # mallopt parameter (malloc.h)
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+CLOSE_WAIT_S = 0.5  # how long stop() waits for the collectors to close, all together
 
 
 class StartError(Exception):
@@ -70,6 +75,7 @@ class Agent:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._live_failed: set[str] = set()
+        self._serving = False
 
     def start(self) -> None:
         logs.setup(self.cfg.core.log_level)
@@ -81,7 +87,8 @@ class Agent:
         token = Token.resolve(self.cfg.api.token, self.cfg.api.token_file, state_dir)
         store = self.store = RecordStore(state_dir)
         policy = CapturePolicy(self.env.clock, state_dir / "alerts_seen.json")
-        self.captures = CaptureService(lambda: self.cfg.captures, store, policy, self.jobs, self.env.clock)
+        self.host = HostMonitor(self.env.paths, self.jobs, self.env.clock)
+        self.captures = CaptureService(lambda: self.cfg.captures, store, policy, self.jobs, self.env.clock, self.host)
         self.baselines = Baselines(lambda: self.cfg.captures, self.captures, self.jobs, self.engine, self.env.clock)
         metrics, api = Router(), Router()
         self.endpoints = Endpoints(metrics, __version__, lambda: self.runners, self._live, lambda: self.servers,
@@ -89,8 +96,12 @@ class Agent:
                                    lambda: store.state.last_refusal)
         forwarder = AlertForwarder(lambda: self.cfg.alerts, lambda: self.servers[1].address[1], token.current,
                                    lambda: self.cfg.alerts.host_value or socket.gethostname())
+        jobwide = JobCaptures(
+            lambda: PeerFinder(self.cfg.cluster, self.cfg.alerts.forward_networks, self.servers[1].address[1]),
+            self.captures, store, PeerClient(token.current, lambda: self.cfg.alerts.host_value or socket.gethostname()),
+            lambda: (self.cfg.captures.timeout, self.cfg.captures.analysis_timeout), lambda: self.cfg.captures.keep)
         ControlApi(api, self.captures, policy, lambda labels: alert_is_for_host(
-            labels, self.cfg.alerts.host_label, self.cfg.alerts.host_value), forwarder)
+            labels, self.cfg.alerts.host_label, self.cfg.alerts.host_value), forwarder, jobwide)
         self.servers.append(HttpServer("metrics", self.cfg.core.listen, metrics, max_body=lambda: 4096))
         self.servers.append(HttpServer("api", self.cfg.api.listen, api, max_body=lambda: self.cfg.api.max_body_bytes,
                                        authenticate=token.authenticate))
@@ -105,6 +116,7 @@ class Agent:
             server.start(self.loop)
         release_startup_memory()
         self.captures.enforce_retention()
+        self._serving = True
         log.info("tfprofd %s serving metrics on %s:%d, control API on %s:%d, hook reports on %s", __version__,
                  *self.servers[0].address, *self.servers[1].address, self._hook_where())
 
@@ -135,7 +147,8 @@ class Agent:
                 collector = self.collectors[name] = cls(settings, self.env)
                 runner = self.runners[name] = CollectorRunner(
                     collector, lambda: self.cfg.core.interval, self.env.clock,
-                    [self.jobs.on_snapshot, self._on_snapshot, self.baselines.on_snapshot, self.endpoints.after_sample])
+                    [self.jobs.on_snapshot, self._on_snapshot, self.baselines.on_snapshot, self.endpoints.after_sample,
+                     self.host.on_snapshot])
                 runner.start()
             elif settings.enabled:
                 self.collectors[name].configure(settings)
@@ -209,19 +222,24 @@ class Agent:
                     self.reload()
 
     def stop(self) -> None:
-        """Stop everything within about a second; a collector blocked in a library call is left behind."""
+        """Stop everything within about a second; a collector blocked in a library call is left behind.
+
+        Collectors close on threads of their own from the start, side by side with the captures and the
+        servers (the hook's socket file goes at once), and are waited for together, not one after another."""
         self._stopping.set()
         for runner in self.runners.values():
             runner.stop()
+        closers = [close_soon(c) for c in self.collectors.values()]
+        deadline = time.monotonic() + CLOSE_WAIT_S
         if self.captures is not None:
             self.captures.stop()
         for server in self.servers:
             server.stop(self.loop)
         self.loop.stop()
-        closers = [close_soon(c) for c in self.collectors.values()]
         for closer in closers:
-            closer.join(0.5 / max(len(closers), 1))
-        log.info("tfprofd stopped")
+            closer.join(max(0.0, deadline - time.monotonic()))
+        if self._serving:  # a start that failed said why on stderr; it never ran
+            log.info("tfprofd stopped")
 
 
 def limit_malloc_arenas(arenas: int = 2) -> None:

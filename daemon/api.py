@@ -17,6 +17,7 @@ import os
 import secrets
 import socket
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from .errors import (
     CaptureBusy,
     CaptureHeld,
     CoolingDown,
+    DiscoveryFailed,
     DomainError,
     ForwardFailed,
     InvalidRequest,
@@ -40,6 +42,7 @@ from .errors import (
 )
 from .forwarding import FORWARDED_HEADER, AlertForwarder
 from .httpserver import HttpError, Request, Response, Router, json_response
+from .jobcapture import JobCaptures
 from .policy import CapturePolicy
 
 log = logging.getLogger("tfprofd.api")
@@ -48,7 +51,7 @@ CAPTURE_OPTIONS = {"host_tracer_level": (0, 3), "device_tracer_level": (0, 1), "
                    "delay_ms": (0, 60000)}
 STATUS: dict[type[DomainError], int] = {InvalidRequest: 400, AmbiguousJob: 400, NotFound: 404, CaptureBusy: 409,
                                         CoolingDown: 409, CaptureHeld: 409, BudgetSpent: 429,
-                                        StorageError: 507}
+                                        StorageError: 507, DiscoveryFailed: 502}
 # Domain errors an Alertmanager retry can cure: the job may start reporting, the capture finish, the disk clear.
 RETRYABLE = (NoTrainingJob, CaptureBusy, StorageError)
 
@@ -146,10 +149,16 @@ def parse_capture_body(body: Any) -> dict[str, Any]:
         body = {}
     if not isinstance(body, dict):
         raise HttpError(400, "body must be a JSON object")
-    unknown = set(body) - {"job", "gpu", "duration_ms", "options"}
+    unknown = set(body) - {"job", "gpu", "duration_ms", "options", "scope", "start_at_ns", "trigger"}
     if unknown:
         raise HttpError(400, f"unknown field(s): {', '.join(sorted(unknown))}; expected job, gpu, duration_ms, "
-                             "options")
+                             "options, scope, start_at_ns, trigger")
+    if body.get("trigger", "manual") not in ("manual", "alert"):  # an alert's job-wide capture: holds apply
+        raise HttpError(400, f"trigger must be \"manual\" or \"alert\", got {shown(body['trigger'])}")
+    if body.get("scope", "host") not in ("host", "job"):
+        raise HttpError(400, f"scope must be \"host\" or \"job\", got {shown(body['scope'])}")
+    if body.get("scope") == "job" and ("job" not in body or "gpu" in body or "start_at_ns" in body):
+        raise HttpError(400, "a job-wide capture (scope \"job\") names a job, and no gpu or start_at_ns")
     for key in ("job", "gpu"):
         if key in body and (not isinstance(body[key], (str, int)) or isinstance(body[key], bool)):
             raise HttpError(400, f"{key} must be a string")
@@ -161,8 +170,11 @@ def parse_capture_body(body: Any) -> dict[str, Any]:
         raise HttpError(400, f"unknown option(s): {', '.join(sorted(unknown))}; expected "
                              f"{', '.join(CAPTURE_OPTIONS)}")
     parsed = {k: _int_in(options, k, *bounds) for k, bounds in CAPTURE_OPTIONS.items() if k in options}
+    now_ns = time.time_ns()  # a peer's instant: from now to a minute ahead (clocks a little apart: a second back)
     return {"job": str(body["job"]) if "job" in body else None, "gpu": str(body["gpu"]) if "gpu" in body else None,
-            "duration_ms": _int_in(body, "duration_ms", 100, 60000), "options": parsed}
+            "duration_ms": _int_in(body, "duration_ms", 100, 60000), "options": parsed,
+            "scope": body.get("scope", "host"), "trigger": body.get("trigger", "manual"),
+            "start_at_ns": _int_in(body, "start_at_ns", now_ns - 1_000_000_000, now_ns + 60_000_000_000)}
 
 
 def alert_key(alert: dict[str, Any], labels: dict[str, str]) -> str:
@@ -184,8 +196,10 @@ def alert_is_for_host(labels: dict[str, str], label: str, value: str) -> bool:
 
 class ControlApi:
     def __init__(self, router: Router, captures: CaptureService, policy: CapturePolicy,
-                 host_match: Callable[[dict[str, str]], bool], forwarder: AlertForwarder | None = None):
+                 host_match: Callable[[dict[str, str]], bool], forwarder: AlertForwarder | None = None,
+                 jobwide: JobCaptures | None = None):
         self.captures = captures
+        self.jobwide = jobwide
         self.policy = policy
         self.host_match = host_match
         self.forwarder = forwarder
@@ -193,6 +207,11 @@ class ControlApi:
         router.add("POST", "/api/v1/captures", self.create_capture)
         router.add("GET", "/api/v1/captures/{capture_id}", self.get_capture)
         router.add("POST", "/api/v1/alerts", self.alerts)
+        router.add("GET", "/api/v1/peer", self.peer)
+
+    def peer(self, request: Request) -> Response:
+        """What a coordinating agent asks first: it times the round trip and learns whether it asked itself."""
+        return json_response(200, {"agent": self.jobwide.agent_id if self.jobwide else "", "time_ns": time.time_ns()})
 
     # ---- captures ----
 
@@ -200,19 +219,36 @@ class ControlApi:
         return json_response(200, {"captures": [r.public() for r in self.captures.list()]})
 
     def get_capture(self, request: Request) -> Response:
-        record = self.captures.get(request.params["capture_id"])
+        record = self.captures.get(request.params["capture_id"]) or (
+            self.jobwide.get(request.params["capture_id"]) if self.jobwide else None)
         if record is None:
             raise HttpError(404, f"no capture {request.params['capture_id']!r}")
         return json_response(200, record.public())
 
     def create_capture(self, request: Request) -> Response:
         body = parse_capture_body(request.json())
+        if body["scope"] == "job":
+            return self._job_capture(request, body)
         try:
-            [record] = self.captures.request("manual", body["job"], body["gpu"], one_job=True,
-                                             duration_ms=body["duration_ms"], options=body["options"])
+            [record] = self.captures.request(body["trigger"], body["job"], body["gpu"], one_job=True,
+                                             duration_ms=body["duration_ms"], options=body["options"],
+                                             start_at_ns=body["start_at_ns"])
         except DomainError as exc:
             raise http_error(exc) from None
         return json_response(202, {"id": record.id, "status": record.status, "job": record.job,
+                                   "url": f"/api/v1/captures/{record.id}"})
+
+    def _job_capture(self, request: Request, body: dict[str, Any]) -> Response:
+        forwarded_by = request.headers.get(FORWARDED_HEADER.lower())
+        if forwarded_by:
+            raise HttpError(400, f"a job-wide capture asked by another agent ({forwarded_by}) never fans out again")
+        if self.jobwide is None:
+            raise HttpError(400, "this agent does not run job-wide captures")
+        try:
+            record = self.jobwide.start(body["job"], "manual", body["duration_ms"])
+        except DomainError as exc:
+            raise http_error(exc) from None
+        return json_response(202, {"id": record.id, "status": record.status, "job": record.job, "scope": "job",
                                    "url": f"/api/v1/captures/{record.id}"})
 
     # ---- Alertmanager webhook (payload version 4) ----
@@ -252,6 +288,25 @@ class ControlApi:
         outcome["forwarded"].append({"alerts": names, **answer})
         log.info("forwarded alerts %s to the agent at %s (it answered %d)", ", ".join(names), target, answer["status"])
 
+    def _job_alert(self, alert: dict[str, Any], labels: dict[str, str], outcome: dict[str, list[Any]]) -> None:
+        """A job-level alert (no host label, a training_job): a job-wide capture, once per firing."""
+        assert self.jobwide is not None
+        name, key = labels.get("alertname", "?"), alert_key(alert, labels)
+        if self.policy.alert_handled(key):
+            outcome["ignored"].append({"alert": name, "why": "already handled"})
+            return None
+        try:
+            record = self.jobwide.start(labels["training_job"], "alert")
+        except (DiscoveryFailed, *RETRYABLE) as exc:  # Prometheus may answer, the job report, later
+            outcome["retry"].append({"alert": name, "why": exc.reason})
+            return None
+        except DomainError as exc:
+            outcome["ignored"].append({"alert": name, "why": exc.reason})
+            return None
+        self.policy.remember_alert(key)
+        outcome["captures"].append(record.id)
+        return None
+
     def _alert(self, alert: dict[str, Any], outcome: dict[str, list[Any]], forwarded_by: str | None) -> str | None:
         """Handle one alert for this host; for another host, the agent to forward it to (or None)."""
         labels = {str(k): str(v) for k, v in alert["labels"].items()}
@@ -259,6 +314,9 @@ class ControlApi:
         if alert.get("status") != "firing":
             outcome["ignored"].append({"alert": name, "why": "resolved"})
             return None
+        if self.jobwide is not None and self.forwarder is not None and not forwarded_by and labels.get("training_job") \
+                and not {self.forwarder.settings().host_label, self.forwarder.settings().forward_label} & set(labels):
+            return self._job_alert(alert, labels, outcome)  # for the job, on no host: every host
         if not self.host_match(labels):
             target = self.forwarder.target(labels) if self.forwarder is not None and not forwarded_by else None
             if target is None:

@@ -48,8 +48,10 @@ class Baselines:
             if self.engine.firing_for(job):
                 self._steady_since[job] = now  # not steady: its baseline must show the job running well
                 continue
+            if now - since < s.baseline_after:
+                continue  # not steady long enough yet (asked first: the capture store is not asked per job)
             last = self.captures.last_baseline_time(job)
-            if now - since < s.baseline_after or (last is not None and self.clock.time() - last < s.baseline_every):
+            if last is not None and self.clock.time() - last < s.baseline_every:
                 continue
             self._steady_since[job] = now  # taken or refused, the next try waits a steady stretch again
             try:

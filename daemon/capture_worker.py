@@ -16,17 +16,20 @@ Two modes:
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .protos import profiler_pb2, xplane_pb2
-from .workers import die_with_parent
+from .workers import PR_SET_PDEATHSIG, die_with_parent
 
 EMPTY_TRACE_BYTES = 1024  # an idle process leaves a ~200-byte .xplane.pb
 START_LEAD_S = 0.3  # time for every worker to receive the request before the common start
@@ -40,6 +43,30 @@ def _probe(address: str, timeout: float = 1.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def _still_listening(address: str, checks: int = 10, interval: float = 0.1) -> bool:
+    """Whether host:port keeps accepting connections for ``checks`` probes: a process that is exiting may
+    have reset one connection and not yet closed its listening socket."""
+    for _ in range(checks):
+        if not _probe(address):
+            return False
+        time.sleep(interval)
+    return True
+
+
+def _speaks_grpc(address: str, timeout: float = 5.0) -> bool:
+    """Whether what listens at host:port answers a gRPC call as a gRPC server does (any status of its own,
+    UNIMPLEMENTED for the made-up method asked here), rather than failing the connection (not HTTP/2)."""
+    import grpc
+
+    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        try:
+            channel.unary_unary("/tfprofd.Probe/SpeaksGrpc")(b"", timeout=timeout)
+        except grpc.RpcError as exc:
+            detail = exc.details() or ""
+            return not (exc.code() == grpc.StatusCode.UNAVAILABLE or "HTTP/2" in detail or "http1" in detail.lower())
+    return True
 
 
 def training_events(data: bytes) -> int:
@@ -90,20 +117,48 @@ def _drop(files: list[Path]) -> None:
             pass
 
 
-def capture_server_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
-    from xprof.convert import _pywrap_profiler_plugin
+class ClientCrashed(Exception):
+    """xprof's client died of a signal (it does on some answers that are no profile)."""
 
+
+def _xprof_trace(service: str, logdir: Path, duration_ms: int, options: dict[str, int]) -> str | None:
+    """TensorFlow's own capture (xprof's client) in a child process, so that a crash of the client ends the
+    capture and not this worker; xprof's error message, or None."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no Python threads here yet, so fork is safe
+        os.close(read)
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # killed with the worker
+        code = 0
+        try:
+            from xprof.convert import _pywrap_profiler_plugin
+
+            _pywrap_profiler_plugin.trace(service, str(logdir), "", True, duration_ms, 1, options)
+        except BaseException as exc:
+            os.write(write, str(exc).strip().encode()[:4096])
+            code = 1
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        message = f.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        raise ClientCrashed(signal.Signals(os.WTERMSIG(status)).name)
+    return message or None
+
+
+def capture_server_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
     targets = request["targets"]
     options = {"host_tracer_level": request["host_tracer_level"],
                "device_tracer_level": request["device_tracer_level"],
                "python_tracer_level": request["python_tracer_level"], "delay_ms": request["delay_ms"]}
     answering = [t for t in targets if _probe(t)]
     started = time.time()
+    crashed = None
     try:
-        _pywrap_profiler_plugin.trace(",".join(targets), str(logdir), "", True, request["duration_ms"], 1, options)
-        error = None
-    except RuntimeError as exc:
-        error = str(exc).strip()
+        error = _xprof_trace(",".join(targets), logdir, request["duration_ms"], options)
+    except ClientCrashed as exc:
+        error, crashed = None, str(exc)
     elapsed = time.time() - started
     files = _traces(logdir)
     real = [f for f in files if not _is_empty(f.read_bytes())]
@@ -125,6 +180,13 @@ def capture_server_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]
     if closed:
         return _result("failed", "no_server", f"nothing listens at {', '.join(closed)}: the training process "
                        "has no profiler server (or exited)", logdir, started)
+    if crashed and not real:
+        return _result("failed", "not_a_profiler", f"{', '.join(targets)}: {_REASON_WORDS['not_a_profiler']} "
+                       f"(TensorFlow's profiler client died of {crashed} on the answer)", logdir, started)
+    strangers = [t for t in targets if not _speaks_grpc(t)]
+    if strangers:
+        return _result("failed", "not_a_profiler", "; ".join(f"{t}: {_REASON_WORDS['not_a_profiler']} (it does not "
+                                                            "speak gRPC)" for t in strangers), logdir, started)
     if elapsed < max(2.0, request["duration_ms"] / 1000 / 2):
         return _result("failed", "busy", "the profiler server refused at once: another profiling session is "
                        "probably active in that process (TensorFlow allows one at a time: a Keras TensorBoard "
@@ -144,12 +206,17 @@ def profile_request(request: dict[str, Any], host: str, session: str, start_ns: 
                                        host_name=host, emit_xspace=True).SerializeToString()
 
 
-def failure_reason(code_name: str, detail: str) -> str:
-    """The reason a gRPC failure stands for, from its status code and the server's words."""
+def failure_reason(code_name: str, detail: str, answered_before: bool, answers_now: Callable[[], bool]) -> str:
+    """The reason a gRPC failure stands for, from its status code, the server's words and whether the port
+    accepted TCP connections before the call and (asked only when it matters) after it."""
     if "Another profil" in detail or code_name == "ALREADY_EXISTS":
         return "busy"  # TensorFlow allows one profiling session per process
-    if code_name == "UNAVAILABLE":  # refused: nothing listens; closed or reset mid-call: the process went away
-        return "no_server" if "connect" in detail.lower() else "died"
+    if code_name == "UNAVAILABLE" or "HTTP/2" in detail or "http1" in detail.lower():  # the connection failed
+        if not answered_before:
+            return "no_server"
+        # Closed now: the process went away during the call. Still open: what listens does not speak gRPC
+        # (an HTTP server, random bytes, broken HTTP/2 frames), so it is no profiler, alive or not.
+        return "not_a_profiler" if answers_now() else "died"
     return {"DEADLINE_EXCEEDED": "timeout", "UNIMPLEMENTED": "not_a_profiler",
             "RESOURCE_EXHAUSTED": "too_large"}.get(code_name, "error")
 
@@ -161,25 +228,46 @@ _REASON_WORDS = {
     "died": "the process stopped answering during the capture: it exited or crashed (TensorFlow's profiler can "
             "crash the non-chief workers of a MultiWorkerMirroredStrategy job: README, Known issues)",
     "timeout": "no answer before the deadline",
-    "not_a_profiler": "the port answers gRPC but is no TensorFlow profiler server",
+    "not_a_profiler": "something answers at that port, but it is no TensorFlow profiler server: check the job's "
+                      "profiler address (tfprofd_training_info{profiler_address}; the hook's profiler_port or "
+                      "TFPROFD_PROFILER_PORT) and what else listens there (ss -ltnp)",
     "too_large": "the trace is larger than captures.max_trace_bytes",
 }
+
+
+def _not_a_profile(target: str, why: str) -> tuple[str, str]:
+    return "not_a_profiler", f"{target}: {_REASON_WORDS['not_a_profiler']} ({why})"
 
 
 def _profile_one(target: str, payload: bytes, deadline: float, max_bytes: int) -> tuple[str, bytes | str]:
     """("ok", xspace bytes) or (reason, detail) for one target."""
     import grpc
+    from google.protobuf.message import DecodeError
 
+    answered_before = _probe(target)
     options = [("grpc.max_receive_message_length", max_bytes), ("grpc.enable_http_proxy", 0)]
     with grpc.insecure_channel(target, options=options) as channel:
         call = channel.unary_unary("/tensorflow.ProfilerService/Profile")
         try:
-            response = profiler_pb2.ProfileResponse.FromString(call(payload, timeout=deadline))
+            answer = call(payload, timeout=deadline)
         except grpc.RpcError as exc:
             code, detail = exc.code(), (exc.details() or "").strip()
-            reason = failure_reason(code.name, detail)
+            reason = failure_reason(code.name, detail, answered_before, lambda: _still_listening(target))
             return reason, f"{target}: {_REASON_WORDS.get(reason, code.name)} (gRPC {code.name}: {detail[:300]})"
-    if response.empty_trace or _is_empty(response.xspace):
+    try:
+        response = profiler_pb2.ProfileResponse.FromString(answer)
+    except DecodeError:
+        return _not_a_profile(target, f"its {len(answer)}-byte answer to ProfilerService/Profile is no ProfileResponse")
+    if response.empty_trace:
+        return "empty_trace", f"{target}: the profiler server collected no events: was the process idle?"
+    if not response.xspace:
+        return _not_a_profile(target, "its answer holds no trace; a TensorFlow that cannot send traces over gRPC "
+                              "(emit_xspace) needs captures.mode: server")
+    try:
+        events = training_events(response.xspace)
+    except DecodeError:
+        return _not_a_profile(target, f"the {len(response.xspace)}-byte trace in its answer is no XSpace")
+    if len(response.xspace) < EMPTY_TRACE_BYTES or events == 0:
         return "empty_trace", f"{target}: the profiler server collected no events: was the process idle?"
     return "ok", response.xspace
 
@@ -195,7 +283,7 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
     targets = request["targets"]
     session = time.strftime("%Y_%m_%d_%H_%M_%S", time.gmtime())
     lead = max(START_LEAD_S, request["delay_ms"] / 1000)
-    start_ns = time.time_ns() + int(lead * 1e9)
+    start_ns = request.get("start_at_ns") or time.time_ns() + int(lead * 1e9)  # a job-wide capture's instant
     deadline = max(60.0, 2 * request["duration_ms"] / 1000) + lead
     started = time.time()
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(targets)) as pool:

@@ -18,9 +18,10 @@ from prometheus_client.core import Metric
 
 from tfprofd.exporter.base import Clock, counter, gauge
 
-from .analysis import compare  # stdlib-only at import: xprof loads in the analysis worker alone
+from .analysis import CaptureAnalysis, compare, with_comparison  # stdlib only: xprof loads in the worker alone
 from .config import CaptureSettings
 from .errors import AmbiguousJob, DomainError, StorageError
+from .hostcontext import HostContext, HostLoad, HostMonitor, apply
 from .jobs import JobRegistry, Target
 from .pending import PendingCaptures, PendingEntry, run_on_pending
 from .policy import Admission, CapturePolicy
@@ -34,8 +35,9 @@ AGENT_MODE_DIR = 0o750  # the agent writes the trace itself: its group may read,
 
 class CaptureService:
     def __init__(self, settings: Callable[[], CaptureSettings], store: RecordStore, policy: CapturePolicy,
-                 jobs: JobRegistry, clock: Clock):
+                 jobs: JobRegistry, clock: Clock, host: HostMonitor | None = None):
         self.settings = settings
+        self.host = host
         self.store = store
         self.policy = policy
         self.jobs = jobs
@@ -64,7 +66,7 @@ class CaptureService:
 
     def request(self, trigger: str, job: str | None = None, gpu: str | None = None, *, one_job: bool = False,
                 duration_ms: int | None = None, options: dict[str, int] | None = None, rule: str | None = None,
-                alert: str | None = None, cooldown: float = 0.0,
+                alert: str | None = None, cooldown: float = 0.0, start_at_ns: int | None = None,
                 pending: PendingEntry | None = None) -> list[CaptureRecord]:
         """Start captures for a job, a GPU, or every job (one per job). Raises the registry's and the policy's
         domain errors, AmbiguousJob (``one_job`` and several match) and StorageError."""
@@ -77,7 +79,8 @@ class CaptureService:
         for group in groups:  # one job's refusal does not stop the others' captures
             try:
                 records.append(self.start(trigger, group, duration_ms=duration_ms, options=options, rule=rule,
-                                          alert=alert, gpu=gpu, cooldown=cooldown, pending=pending))
+                                          alert=alert, gpu=gpu, cooldown=cooldown, start_at_ns=start_at_ns,
+                                          pending=pending))
             except DomainError as exc:
                 errors.append(exc)
                 if len(groups) > 1:
@@ -88,7 +91,10 @@ class CaptureService:
 
     def start(self, trigger: str, targets: list[Target], *, duration_ms: int | None = None,
               options: dict[str, int] | None = None, rule: str | None = None, alert: str | None = None,
-              gpu: str | None = None, cooldown: float = 0.0, pending: PendingEntry | None = None) -> CaptureRecord:
+              gpu: str | None = None, cooldown: float = 0.0, start_at_ns: int | None = None,
+              pending: PendingEntry | None = None) -> CaptureRecord:
+        """Start one capture; at ``start_at_ns`` (Unix ns, a job-wide capture's common instant) if given;
+        ``pending``: started as its rule went pending, kept only if the rule fires."""
         s = self.settings()
         budget = None if trigger == "baseline" else s.max_per_hour  # baselines keep their own schedule
         admission = self.policy.admit(targets, budget, rule=rule, cooldown=cooldown, automatic=trigger != "manual")
@@ -114,7 +120,11 @@ class CaptureService:
                    "logdir": record.directory, "max_trace_bytes": s.max_trace_bytes,
                    "host_tracer_level": s.host_tracer_level, "device_tracer_level": s.device_tracer_level,
                    "python_tracer_level": s.python_tracer_level, "delay_ms": int(s.delay * 1000), **(options or {})}
-        thread = threading.Thread(target=self._run, args=(record, request, admission, pending), daemon=True,
+        if start_at_ns is not None:  # agent mode starts every worker then; server mode waits as long
+            ahead_ms = int((start_at_ns / 1e9 - self.clock.time()) * 1000)
+            request.update(start_at_ns=start_at_ns, delay_ms=max(0, ahead_ms))
+        before = self.host.load_before() if self.host is not None else None
+        thread = threading.Thread(target=self._run, args=(record, request, admission, before, pending), daemon=True,
                                   name=f"tfprofd-capture-{record.id}")
         with self._lock:
             self._threads.add(thread)
@@ -124,14 +134,13 @@ class CaptureService:
     # ---- running one ----
 
     def _run(self, record: CaptureRecord, request: dict[str, Any], admission: Admission,
-             pending: PendingEntry | None = None) -> None:
+             before: HostLoad | None = None, pending: PendingEntry | None = None) -> None:
         try:
             if pending is not None:  # started when its rule went pending: kept only if the rule fires
-                run_on_pending(self, record, request, admission, pending)
+                run_on_pending(self, record, request, admission, pending, before)
             else:
-                self._capture(record, request, admission)
-            if record.status == "done" and self.settings().analyze:
-                record.status = "analyzing"
+                self._capture(record, request, admission, before)
+            if record.status == "analyzing":
                 self._save(record)
                 self._analyze(record)
         except Exception as exc:  # whatever happens, the record ends and the process is free
@@ -151,9 +160,18 @@ class CaptureService:
             self.on_change()
             self.enforce_retention()
 
-    def _capture(self, record: CaptureRecord, request: dict[str, Any], admission: Admission) -> None:
+    def _capture(self, record: CaptureRecord, request: dict[str, Any], admission: Admission,
+                 before: HostLoad | None = None) -> None:
         timeout = self.settings().timeout + record.duration_ms / 1000
+        window = self._host(lambda host: host.open(record.job))
         outcome = self.capture_workers.run("tfprofd.daemon.capture_worker", [], json.dumps(request), timeout)
+        if isinstance(window, HostContext):  # the window could not be opened: the record says why
+            record.host = window
+        elif window is not None:
+            record.host = self._host(lambda host: host.close(window, before))
+            if record.host is not None and record.host.contention is not None:
+                log.warning("capture %s: other processes starved job %s: %s", record.id, record.job,
+                            record.host.contention.why)
         result = outcome.result or {
             "status": "failed",
             "reason": {"timeout": "timeout", "stopped": "agent_stopped"}.get(outcome.status, "error"),
@@ -161,10 +179,12 @@ class CaptureService:
                        "stopped": "the agent stopped during the capture"}.get(outcome.status, outcome.detail)}
         self.policy.release(admission)  # the process is free once its trace is taken; analysis may take long
         record.started_at = result.get("rpc_sent_at")
-        record.status, record.reason, record.detail = result["status"], result.get("reason"), result.get("detail")
         record.files = list(result.get("files", []))
         record.finished_at = self.clock.time()
-        if record.status == "done":
+        record.bytes = self.store.capture_bytes(record.id)  # before the status: a reader sees a final record whole
+        status = "analyzing" if result["status"] == "done" and self.settings().analyze else result["status"]
+        record.status, record.reason, record.detail = status, result.get("reason"), result.get("detail")
+        if result["status"] == "done":
             log.info("capture %s done: %d file(s) in %s", record.id, len(record.files), record.directory)
         else:
             log.warning("capture %s failed: %s: %s", record.id, record.reason, record.detail)
@@ -175,32 +195,52 @@ class CaptureService:
                         ", ".join(result["died"]), record.job,
                         f"; no automatic capture of the job for {hold:.0f}s (captures.hold)" if hold else "")
 
+    def _host(self, measure: Callable[[HostMonitor], Any]) -> Any:
+        """A host measurement; one that fails is logged and leaves a note, never the capture failed."""
+        if self.host is None:
+            return None
+        try:
+            return measure(self.host)
+        except Exception as exc:
+            log.exception("host context: measuring the capture window failed")
+            return HostContext(0.0, note=f"measuring the host failed: {type(exc).__name__}: {exc}")
+
     def _analyze(self, record: CaptureRecord) -> None:
         """Analyse the trace in a worker process (xprof needs 200-450 MB the agent must not hold)."""
         timeout = self.settings().analysis_timeout
         module, args = "tfprofd.daemon.analysis", [record.directory, "--json", "--viewer-cache"]
         if (record.context or {}).get("on_pending"):  # split at the drop, say when the trace begins
             drop_at = record.context.get("drop_at")
-            module, args = "tfprofd.daemon.onset", [*args, *(["--drop-at", str(drop_at)] if drop_at else [])]
+            module, args = "tfprofd.daemon.analysis.onset", [*args, *(["--drop-at", str(drop_at)] if drop_at else [])]
         outcome = self.analysis_workers.run(module, args, "", timeout)
-        result = outcome.result
-        if result is None or "error" in result:
-            detail = (result or {}).get("error") or {"timeout": f"analysis did not finish within {timeout:.0f}s",
-                                                     "stopped": "the agent stopped during the analysis"}.get(
-                outcome.status, outcome.detail)
+        raw = outcome.result
+        record.bytes = self.store.capture_bytes(record.id)  # with xprof's cache; before the final status
+        result, detail = None, (raw or {}).get("error") if raw is not None else None
+        if raw is not None and detail is None:
+            try:
+                result = CaptureAnalysis.from_json(raw)
+            except ValueError as exc:
+                detail = f"the analysis worker printed a malformed analysis: {exc}"
+        if result is None:
+            detail = detail or {"timeout": f"analysis did not finish within {timeout:.0f}s",
+                                "stopped": "the agent stopped during the analysis"}.get(outcome.status, outcome.detail)
             reason = "agent_stopped" if outcome.status == "stopped" else "analysis_error"
             record.status, record.reason, record.detail = "analysis_failed", reason, detail
             log.warning("capture %s: analysis failed: %s (raw files kept in %s)", record.id, detail, record.directory)
             return
         base = self.baseline_of(record)
-        if base is not None:
+        if base is not None and base.analysis is not None:
             comparison = compare(base.analysis, result, _context(base, record, "samples_per_second"),
                                  _context(base, record, "batch_size"))
             if comparison is not None:
-                result["comparison"] = {**comparison, "baseline_id": base.id}
-                result["summary"] = f"{comparison['summary']} ({result['summary']})"
+                result = with_comparison(result, replace(comparison, baseline_id=base.id))
+        result, cause = apply(result, record.host, record.rule)  # the trace's verdict joined with the host's
+        if cause is not None and record.rule and self.policy.forgive(
+                record.rule, frozenset(t["address"] for t in record.targets)):
+            log.info("capture %s found host contention: rule %s's cooldown for job %s is lifted", record.id,
+                     record.rule, record.job)
         record.status, record.analysis = "done", result
-        log.info("capture %s analysed: job=%s %s", record.id, record.job, result.get("summary"))
+        log.info("capture %s analysed: job=%s %s", record.id, record.job, result.summary)
 
     def count_discarded(self, rule: str) -> None:
         with self._lock:
@@ -231,7 +271,7 @@ class CaptureService:
 
     def _baselines_locked(self, job: str, analysed: bool = True) -> list[CaptureRecord]:
         records = [r for r in self._records.values() if r.job == job and r.trigger == "baseline"
-                   and (not analysed or (r.status == "done" and r.analysis and r.analysis.get("steps")))]
+                   and (not analysed or (r.status == "done" and r.analysis is not None and r.analysis.steps))]
         return sorted(records, key=lambda r: -r.requested_at)
 
     def baseline_of(self, record: CaptureRecord) -> CaptureRecord | None:
@@ -317,15 +357,14 @@ class CaptureService:
         analysed = sorted(latest.items())
         yield gauge("capture_input_bound_ratio", "Input-bound ratio (input wait / step time) of the job's latest "
                     "analysed capture.", ["training_job"],
-                    (([job], r.analysis["input_bound_ratio"]) for job, r in analysed
-                     if isinstance(r.analysis.get("input_bound_ratio"), (int, float))))
+                    (([job], r.analysis.lead.input_bound_ratio) for job, r in analysed
+                     if r.analysis is not None and r.analysis.lead.input_bound_ratio is not None))
         yield gauge("capture_step_seconds", "Mean step time in the job's latest analysed capture, in seconds.",
-                    ["training_job"], (([job], r.analysis["step_time_ms"]["mean"] / 1000) for job, r in analysed
-                                       if isinstance(r.analysis.get("step_time_ms"), dict)
-                                       and isinstance(r.analysis["step_time_ms"].get("mean"), (int, float))))
+                    ["training_job"], (([job], r.analysis.lead.step_time_ms.mean / 1000) for job, r in analysed
+                                       if r.analysis is not None and r.analysis.lead.step_time_ms is not None))
         yield gauge("capture_bottleneck_info", "Bottleneck named by the job's latest analysed capture; the value is "
-                    "1.", ["training_job", "kind"], (([job, str(r.analysis.get("bottleneck"))], 1)
-                                                     for job, r in analysed))
+                    "1.", ["training_job", "kind"], (([job, r.analysis.bottleneck], 1)
+                                                     for job, r in analysed if r.analysis is not None))
         yield gauge("capture_last_timestamp_seconds", "Unix time of the latest capture of the training job.",
                     ["training_job"], (([job], ts) for job, ts in sorted(last.items())))
         rows = []
@@ -335,9 +374,8 @@ class CaptureService:
             if base is not None:
                 pair.append(("baseline", base))
             for which, rec in pair:
-                for part, ms in (rec.analysis.get("breakdown_ms") or {}).items():
-                    if isinstance(ms, (int, float)):
-                        rows.append(([job, which, part], ms / 1000))
+                parts = rec.analysis.lead.breakdown_ms if rec.analysis is not None else None
+                rows.extend(([job, which, part], ms / 1000) for part, ms in (parts.items() if parts else []))
         yield gauge("capture_step_breakdown_seconds", "Mean time per step in each part of the step (waiting for input, "
                     "device compute, ...) in the job's latest analysed capture and in its baseline.",
                     ["training_job", "capture", "part"], rows)

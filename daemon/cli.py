@@ -128,7 +128,7 @@ COMMANDS = {"run": cmd_run, "check-config": cmd_check_config}
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["analyze"]:
-        from .analysis import main as analyze_main
+        from .analysis.cli import main as analyze_main
 
         return analyze_main(argv[1:])
     if argv[:1] == ["capture"]:

@@ -43,6 +43,8 @@ def default_token_file() -> Path | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tfprofd capture", description=HELP)
     parser.add_argument("--job", help="training job to profile (needed when several report)")
+    parser.add_argument("--all-hosts", action="store_true", help="with --job: every worker of the job on every "
+                        "host (the agents found through cluster.prometheus_url or cluster.peers), in one window")
     parser.add_argument("--gpu", help="profile the job running on this GPU index")
     parser.add_argument("--duration", help="how long to trace, e.g. 2s (default: captures.duration)")
     parser.add_argument("--wait", action="store_true", help="wait for the capture to finish and print what its "
@@ -87,8 +89,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return exc.code, json.loads(exc.read() or b"{}")
 
     body: dict[str, Any] = {}
+    if args.all_hosts and (not args.job or args.gpu is not None):
+        print("tfprofd: --all-hosts needs --job and no --gpu", file=sys.stderr)
+        return 2
     if args.job:
         body["job"] = args.job
+    if args.all_hosts:
+        body["scope"] = "job"
     if args.gpu is not None:
         body["gpu"] = args.gpu
     if args.duration:
@@ -108,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tfprofd: the agent at {args.api} did not accept {source}; give the token file that agent "
                   "uses with --token-file (or env TFPROFD_API_TOKEN_FILE)", file=sys.stderr)
         return 1
-    print(f"capture {answer['id']} started for job {answer['job']}", flush=True)
+    print(f"{'job-wide ' if args.all_hosts else ''}capture {answer['id']} started for job {answer['job']}", flush=True)
     if not args.wait:
         return 0
     while True:
@@ -118,10 +125,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         time.sleep(0.5)
     if args.json:
         print(json.dumps(record, indent=1, sort_keys=True))
+    elif record.get("scope") == "job":
+        print(job_report(record))
     elif record.get("analysis"):
-        from .analysis import report
+        from .analysis import CaptureAnalysis, report
 
-        print(report(record["analysis"]))
+        print(report(CaptureAnalysis.from_json(record["analysis"])))
     else:
         print(f"status: {record.get('status')}: {record.get('reason')}: {record.get('detail')}")
     return 0 if record.get("status") == "done" else 1
+
+
+def job_report(record: dict[str, Any]) -> str:
+    """A job record for a person: every worker, the skew, the straggler, the peers that failed."""
+    skew = record.get("window_skew_ms")
+    lines = [f"job {record['job']}: {record['status']}: {len(record['workers'])} worker(s)"
+             + (f", windows {skew:.1f} ms apart" if skew is not None else "")]
+    for w in record["workers"]:
+        step = f"{w['step_ms']:.1f} ms per step" if w.get("step_ms") else "no steps"
+        lines.append(f"  {w['worker']} on {w['peer']}: {step}")
+    straggler = record.get("straggler")
+    lines.append(f"straggler: {straggler['why']}" if straggler else "no straggler")
+    lines += [f"failed: {f['peer']}: {f['why']}" for f in record.get("failed", [])]
+    lines += [f"refused: {f['peer']}: {f['why']}" for f in record.get("refused", [])]
+    return "\n".join(lines)

@@ -1,8 +1,13 @@
 """``tfprofd demo``: the whole loop in about a minute on a laptop CPU, no GPU needed.
 
-Starts an agent and a small Keras job with the hook, turns an input bottleneck on midway, lets the
-throughput-drop rule fire, captures, analyses, and prints what it found. Ctrl-C stops every process it
-started.
+Starts an agent and a small Keras job with the hook, turns an input bottleneck on once the job has trained
+steadily for a while, lets the throughput-drop rule fire, captures, analyses, prints what it found, and exits
+non-zero unless that is the input bottleneck it injected. Ctrl-C stops every process it started.
+
+On a busy machine the rule may fire before the injection, on a dip caused by other processes: such a capture
+is shown but not counted, and the injection waits until it has finished and the rule is quiet again. A capture
+that ends ``host_contention`` does not spend the rule's cooldown (see policy.py); one that names another cause
+does, which is why the demo's rule cools down for 30 s only and the injection waits that long after it.
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ rules:
     below_baseline: 0.7
     baseline: 2m
     for: 4s
-    cooldown: 10m
+    cooldown: 30s
 """
+COOLDOWN = 30.0  # the rule's cooldown above
+INJECTED = "input"
+WAIT_AT_MOST = 120.0  # past the steady period, inject even if the rule keeps firing on other processes' load
 
 
 def _free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -56,9 +64,10 @@ def _metric(text: str, name: str, needle: str) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tfprofd demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--slow-after", type=float, default=25.0, help="seconds until the input bottleneck starts")
+    parser.add_argument("--slow-after", type=float, default=25.0,
+                        help="seconds of steady training (as the agent sees it) before the input bottleneck starts")
     parser.add_argument("--dir", type=Path, help="keep the agent's state (captures) here instead of a temp dir")
-    parser.add_argument("--timeout", type=float, default=240.0, help="give up after this many seconds")
+    parser.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("tensorflow") is None:
         print("tfprofd demo: the demo trains a small Keras model and needs TensorFlow: pip install 'tfprofd[tf]'",
@@ -95,16 +104,17 @@ def main(argv: list[str] | None = None) -> int:
         processes.append(agent)
         env = {**os.environ, "TFPROFD_ADDR": f"127.0.0.1:{hook_port}", "TF_CPP_MIN_LOG_LEVEL": "3"}
         job = subprocess.Popen(
-            [sys.executable, "-m", "tfprofd.daemon.demo_job", "--job", "demo", "--seconds", str(args.timeout),
+            [sys.executable, "-m", "tfprofd.daemon.demo_job", "--job", "demo", "--seconds", str(args.timeout + 60),
              "--features", "64", "--width", "1024", "--batch-size", "64", "--samples", "4096",
-             "--map-delay", "0.002", "--parallel-reads", "4", "--slow-after", str(args.slow_after + 5)],
+             "--map-delay", "0.002", "--parallel-reads", "4", "--slow-on-signal"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / "job.log", "ab"))
         processes.append(job)
         print(f"tfprofd demo in {workdir}: agent pid {agent.pid} (metrics http://127.0.0.1:{port}/metrics), "
               f"Keras job pid {job.pid}", flush=True)
-        print(f"the job's input pipeline slows down ~{args.slow_after:.0f}s after it starts training; "
+        print(f"the job's input pipeline slows down once it has trained steadily for {args.slow_after:.0f}s; "
               "watch the throughput-drop rule fire", flush=True)
-        return _watch(port, api_port, workdir / "state" / "api.token", args.timeout, processes)
+        return _watch(port, api_port, workdir / "state" / "api.token", args.timeout, processes, job,
+                      args.slow_after)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the agent and the job", flush=True)
         return 130
@@ -113,10 +123,29 @@ def main(argv: list[str] | None = None) -> int:
         log.close()
 
 
-def _watch(port: int, api_port: int, token_file: Path, timeout: float, processes: list[subprocess.Popen]) -> int:
-    from .analysis import report
+def check(record: dict[str, Any]) -> tuple[bool, str]:
+    """Whether a finished capture found what the demo injected, and what to print about it."""
+    from .analysis import CaptureAnalysis, report
+    from .hostcontext import HostContext
 
+    head = f"capture {record['id']} ({record['trigger']}, rule {record['rule']}): {record['status']}"
+    host = "\n".join(HostContext.from_json(record["host"]).lines()) if record.get("host") else ""
+    if not record.get("analysis"):
+        return False, f"{head}\nno analysis: {record.get('reason')}: {record.get('detail')}"
+    analysis = CaptureAnalysis.from_json(record["analysis"])
+    text = "\n".join(t for t in (head, report(analysis), host) if t)
+    if analysis.bottleneck != INJECTED:
+        return False, (f"{text}\ntfprofd demo: the capture names {analysis.bottleneck}, but the demo injected "
+                       f"an {INJECTED} bottleneck")
+    return True, text
+
+
+def _watch(port: int, api_port: int, token_file: Path, timeout: float, processes: list[subprocess.Popen],
+           job: subprocess.Popen, steady: float) -> int:
     started = time.monotonic()
+    training_since: float | None = None  # when the agent first saw the job's samples/s
+    injected_at: float | None = None  # Unix time of the injection: captures asked for later count
+    shown: set[str] = set()
     while time.monotonic() - started < timeout:
         time.sleep(1)
         for proc in processes:
@@ -130,19 +159,43 @@ def _watch(port: int, api_port: int, token_file: Path, timeout: float, processes
             captures = json.loads(_get(f"http://127.0.0.1:{api_port}/api/v1/captures", token))["captures"]
         except OSError:
             continue
+        now = time.monotonic()
         rate = _metric(text, "tfprofd_training_samples_per_second", 'training_job="demo"')
         firing = _metric(text, "tfprofd_rule_active", 'rule="throughput_drop"')
+        if rate and training_since is None:
+            training_since = now
+        active = [c for c in captures if c["status"] in ("running", "analyzing")]
         state = captures[0]["status"] if captures else "none yet"
-        shown = "-" if rate is None else f"{rate:.0f}"
-        print(f"  t={time.monotonic() - started:5.0f}s  samples/s {shown:>6}  "
-              f"throughput_drop {'FIRING' if firing else 'quiet':6}  capture: {state}", flush=True)
-        if captures and captures[0]["status"] not in ("running", "analyzing"):
-            record = captures[0]
-            print(f"\ncapture {record['id']} ({record['trigger']}, rule {record['rule']}): {record['status']}")
-            if record.get("analysis"):
-                print(report(record["analysis"]))
-                return 0
-            print(f"no analysis: {record.get('reason')}: {record.get('detail')}")
-            return 1
+        print(f"  t={now - started:5.0f}s  samples/s {'-' if rate is None else f'{rate:.0f}':>6}  "
+              f"throughput_drop {'FIRING' if firing else 'quiet':6}  capture: {state}"
+              f"{'' if injected_at else '  (input still fast)'}", flush=True)
+        for record in reversed(captures):  # oldest first
+            if record["status"] in ("running", "analyzing") or record["id"] in shown:
+                continue
+            shown.add(record["id"])
+            ok, report_text = check(record)
+            if injected_at is None or record["requested_at"] < injected_at:
+                print(f"\nbefore the injection (not counted):\n{report_text}\n", flush=True)
+                continue
+            print(f"\n{report_text}")
+            return 0 if ok else 1
+        if injected_at is None and training_since is not None and now - training_since >= steady \
+                and _may_inject(captures, firing, active, now - training_since - steady):
+            job.send_signal(signal.SIGUSR1)
+            injected_at = time.time()
+            print(f"  t={now - started:5.0f}s  injected: the job's reads now take 2 ms per record", flush=True)
     print("tfprofd demo: no capture within the time limit", file=sys.stderr)
     return 1
+
+
+def _may_inject(captures: list[dict[str, Any]], firing: float | None, active: list[dict[str, Any]],
+                waited: float) -> bool:
+    """Inject when a capture of it can follow: the rule quiet, no capture running, the last one's cooldown over
+    (or lifted: it found host contention). After WAIT_AT_MOST, inject anyway."""
+    if waited >= WAIT_AT_MOST:
+        return True
+    if firing or active:
+        return False
+    last = captures[0] if captures else None
+    return (last is None or (last.get("analysis") or {}).get("bottleneck") == "host_contention"
+            or time.time() - last["requested_at"] >= COOLDOWN)

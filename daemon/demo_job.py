@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -34,8 +35,9 @@ def dataset(args: argparse.Namespace, repeat: bool) -> tf.data.Dataset:
     ds = tf.data.Dataset.from_tensor_slices((x, y))
     if repeat:
         ds = ds.repeat()
-    SLOW["delay"] = 0.0 if args.slow_after else args.map_delay
-    if args.map_delay or args.slow_after:
+    later = args.slow_after or args.slow_on_signal
+    SLOW["delay"] = 0.0 if later else args.map_delay
+    if args.map_delay or later:
         def read(block: np.ndarray) -> np.ndarray:
             if SLOW["delay"]:
                 time.sleep(SLOW["delay"] * len(block))
@@ -142,6 +144,8 @@ def main() -> None:
     p.add_argument("--slow-after", type=float, default=0.0, help="turn the --map-delay read cost on after N s")
     p.add_argument("--slow-for", type=float, default=0.0, help="with --slow-after: recover after this many s")
     p.add_argument("--slow-log", default="", help="append 'slow <unix time>' and 'recovered <unix time>' here")
+    p.add_argument("--slow-on-signal", action="store_true",
+                   help="turn the --map-delay read cost on when the process gets SIGUSR1 (the demo's injection)")
     p.add_argument("--seconds", type=float, default=0.0, help="train on a repeating dataset for this long")
     p.add_argument("--no-markers", action="store_true", help="no profiler step markers")
     p.add_argument("--idle", type=float, default=0.0, help="wait this long (reporting, profiler up) before training")
@@ -172,6 +176,8 @@ def main() -> None:
         for timer in timers:
             timer.daemon = True
             timer.start()
+    if args.slow_on_signal:
+        signal.signal(signal.SIGUSR1, lambda *_: SLOW.update(delay=args.map_delay))
     if args.mode == "fit":
         callback = TfprofdCallback(job=args.job, worker=args.worker, batch_size=batch,
                                    step_markers=not args.no_markers)

@@ -41,11 +41,20 @@ class JobRegistry:
         self._pods: tuple[PodDevice, ...] = ()
         self._mig_parents: dict[str, str] = {}  # MIG UUID -> its GPU's index
         self._minors: dict[int, str] = {}  # GPU minor number (/dev/nvidiaN) -> its index
+        # what is_training asks, derived once per snapshot: the rules ask it for every series they
+        # evaluate, and a scan of 1,000 jobs per series made each sample O(jobs²) (issue 24)
+        self._training: set[tuple[str, str]] = set()  # (job, worker) of every training process
+        self._training_jobs: set[str] = set()
+        self._gpus_mapped = False  # NVML lists a reporting process on some GPU
+        self._training_gpus: set[str] = set()  # GPUs where NVML lists a training process
         self._lock = threading.Lock()
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
         """A collector's new sample replaces everything it said before (a failed sample says nothing)."""
         with self._lock:
+            if not snapshot.facts and not self._facts.get(snapshot.collector, ()):
+                self._facts[snapshot.collector] = ()
+                return  # a collector with no facts (cpu, disk...) changes nothing: no need to derive again
             self._facts[snapshot.collector] = snapshot.facts
             self._derive()
 
@@ -62,6 +71,13 @@ class JobRegistry:
         self._pods = tuple(d for f in facts if isinstance(f, PodDevices) for d in f.devices)
         self._mig_parents = {m: g for f in facts if isinstance(f, GpuProcesses) for m, g in f.mig_parents}
         self._minors = {minor: g for f in facts if isinstance(f, GpuProcesses) for minor, g in f.minors}
+        training = [p for p in self._processes if p.training]
+        self._training = {(p.job, p.worker) for p in training}
+        self._training_jobs = {job for job, _ in self._training}
+        pids = {p.pid for p in self._processes}
+        training_pids = {p.pid for p in training}
+        self._gpus_mapped = any(pids & ids for _, _, ids in self._gpus)
+        self._training_gpus = {gpu for gpu, _, ids in self._gpus if training_pids & ids}
 
     def _job_gpus(self) -> list[tuple[str, str, ProcessView]]:
         """(gpu, uuid, process) for every reporting process NVML lists on a GPU (joined on pid; only a pid
@@ -78,15 +94,13 @@ class JobRegistry:
     def is_training(self, labels: dict[str, str]) -> bool:
         """Whether a job trains where a signal's series is: its job, its GPU, or anywhere on the host."""
         with self._lock:
-            training = [p for p in self._processes if p.training]
-        if "training_job" in labels:
-            return any(p.job == labels["training_job"] and p.worker == labels.get("worker", p.worker)
-                       for p in training)
-        if "gpu" in labels:
-            mapped = self._job_gpus()
-            if mapped:  # NVML lists reporting processes: only a job on this GPU counts
-                return any(gpu == labels["gpu"] and p.training for gpu, _, p in mapped)
-        return bool(training)
+            if "training_job" in labels:
+                if "worker" in labels:
+                    return (labels["training_job"], labels["worker"]) in self._training
+                return labels["training_job"] in self._training_jobs
+            if "gpu" in labels and self._gpus_mapped:  # NVML lists reporting processes: only a job on this GPU
+                return labels["gpu"] in self._training_gpus
+            return bool(self._training)
 
     def targets(self, job: str | None, gpu: str | None) -> list[list[Target]]:
         """The captures to start for a job, a GPU, or (neither) every job: one list of targets per job.
@@ -113,6 +127,11 @@ class JobRegistry:
             raise NoProfiler("the training job has no profiler server the agent may use (hook started with "
                              "profiler=False, or its reports were not trusted)")
         return [list(g.values()) for _, g in sorted(groups.items())]
+
+    def processes(self, job: str) -> list[ProcessView]:
+        """The job's reporting processes (pid, whether the kernel vouched for it, its profiler)."""
+        with self._lock:
+            return [p for p in self._processes if p.job == job]
 
     def jobs(self) -> set[str]:
         with self._lock:

@@ -25,6 +25,7 @@ from .workers import PARENT_ENV
 
 if TYPE_CHECKING:
     from .captures import CaptureService
+    from .hostcontext import HostLoad
     from .policy import Admission
     from .records import CaptureRecord
 
@@ -181,7 +182,7 @@ class RingWorker:
 
 
 def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict[str, Any], admission: Admission,
-                   entry: PendingEntry) -> None:
+                   entry: PendingEntry, before: HostLoad | None = None) -> None:
     """Take the capture of a pending rule, then keep it if the rule fires, else discard it."""
     s = service.settings()
     record.context = {**(record.context or {}), "on_pending": True, "drop_at": entry.drop_at}
@@ -201,28 +202,28 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
                 discard(service, record, outcome)
                 return
             record.context["snapshots"] = result.get("snapshots", [])
-            _apply(record, result, service.clock.time())
+            _apply(record, result, service.clock.time(), s.analyze)
             return
         ring.proc.wait()
         if armed.get("status") != "unimplemented":
-            _apply(record, armed, service.clock.time())
+            _apply(record, armed, service.clock.time(), s.analyze)
             service.policy.release(admission)
             service.pending.clear(entry.key)
             return
         log.info("capture %s: %s; one capture at pending instead", record.id, armed.get("detail"))
     record.context["mode"] = "capture"
     taken = replace(record)  # the record stays running until the rule decides
-    service._capture(taken, request, admission)
+    service._capture(taken, request, admission, before)
     outcome = service.pending.wait(entry)
-    record.started_at = taken.started_at
-    if outcome != FIRED and taken.status == "done":
+    record.started_at, record.host = taken.started_at, taken.host
+    if outcome != FIRED and taken.status in ("done", "analyzing"):
         discard(service, record, outcome)
         return
-    for name in ("reason", "detail", "files", "finished_at", "status"):  # status last: readers see a whole record
+    for name in ("reason", "detail", "files", "finished_at", "bytes", "status"):  # status last: a whole record
         setattr(record, name, getattr(taken, name))
 
 
-def _apply(record: CaptureRecord, result: dict[str, Any], now: float) -> None:
+def _apply(record: CaptureRecord, result: dict[str, Any], now: float, analyze: bool) -> None:
     record.reason, record.detail = result.get("reason"), result.get("detail")
     record.started_at = result.get("rpc_sent_at")
     record.files = list(result.get("files", []))
@@ -230,7 +231,8 @@ def _apply(record: CaptureRecord, result: dict[str, Any], now: float) -> None:
     spans = [s for s in result.get("snapshots", []) if s.get("begin_ns") and s.get("end_ns")]
     if spans:
         record.duration_ms = int((spans[-1]["end_ns"] - spans[0]["begin_ns"]) / 1e6)
-    record.status = result["status"]  # last: readers see a whole record
+    status = result["status"]
+    record.status = "analyzing" if status == "done" and analyze else status  # last: readers see a whole record
 
 
 def discard(service: CaptureService, record: CaptureRecord, outcome: str) -> None:

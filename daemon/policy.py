@@ -90,6 +90,13 @@ class CapturePolicy:
                 except ValueError:
                     pass
 
+    def forgive(self, rule: str, addresses: frozenset[str]) -> bool:
+        """Lift the cooldown a rule's capture booked: it found other processes starving the job (host
+        contention), not the job's own cause, which the rule may capture when it next fires. The hourly budget
+        still bounds how many captures a contended host gets. Whether a cooldown was running."""
+        with self._lock:
+            return self._cooldown_until.pop((rule, addresses), None) is not None
+
     def hold(self, job: str, seconds: float) -> None:
         """No automatic capture of ``job`` for ``seconds`` (a process of it died during a capture)."""
         with self._lock:

@@ -31,6 +31,8 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from .analysis.model import CaptureAnalysis
+from .hostcontext import HostContext
 from .statedir import StateDir, mkdir_at
 
 log = logging.getLogger("tfprofd.records")
@@ -61,11 +63,14 @@ class CaptureRecord:
     files: list[str] = field(default_factory=list)
     bytes: int = 0
     directory: str = ""
-    analysis: dict[str, Any] | None = None
+    analysis: CaptureAnalysis | None = None
     context: dict[str, Any] | None = None  # the job's samples/s and batch size when the capture was asked for
+    host: HostContext | None = None  # what the host was doing over the capture window (hostcontext.py)
 
     def public(self) -> dict[str, Any]:
-        return asdict(self)
+        out = {name: value for name, value in asdict(self).items() if name != "analysis"}
+        out["analysis"] = self.analysis.to_json() if self.analysis is not None else None
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> CaptureRecord:
@@ -77,7 +82,8 @@ class CaptureRecord:
             "duration_ms": (int,), "mode": (str,), "rule": (str, type(None)), "alert": (str, type(None)),
             "gpu": (str, type(None)), "status": (str,), "reason": (str, type(None)), "detail": (str, type(None)),
             "started_at": (int, float, type(None)), "finished_at": (int, float, type(None)), "files": (list,),
-            "bytes": (int,), "directory": (str,), "analysis": (dict, type(None)), "context": (dict, type(None))}
+            "bytes": (int,), "directory": (str,), "analysis": (dict, type(None)), "context": (dict, type(None)),
+            "host": (dict, type(None))}
         required = {"id", "trigger", "job", "targets", "requested_at", "duration_ms", "mode"}
         values = {}
         for name, types in kinds.items():
@@ -97,6 +103,10 @@ class CaptureRecord:
             raise ValueError("field 'targets' must be a list of objects of strings")
         if not all(isinstance(f, str) for f in values.get("files", [])):
             raise ValueError("field 'files' must be a list of strings")
+        if values.get("host") is not None:
+            values["host"] = HostContext.from_json(values["host"])
+        if values.get("analysis") is not None:
+            values["analysis"] = CaptureAnalysis.from_json(values["analysis"])
         return cls(**values)
 
 

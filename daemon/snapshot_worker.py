@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .capture_worker import _REASON_WORDS, _is_empty, _write_new, failure_reason
+from .capture_worker import _REASON_WORDS, _is_empty, _probe, _write_new, failure_reason
 from .protos import profiler_pb2, xplane_pb2
 from .workers import die_with_parent
 
@@ -78,6 +78,7 @@ class Session:
         self.grpc = grpc
         self.target = target
         self.timeout = request.get("rpc_timeout", 30.0)
+        self.answered = True  # whether the port accepted connections before the first call
         self.channel = grpc.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", request["max_trace_bytes"]), ("grpc.enable_http_proxy", 0)])
         opts = profiler_pb2.ProfileOptions(
@@ -91,6 +92,7 @@ class Session:
         return self.channel.unary_unary(SERVICE + method)(payload, timeout=self.timeout)
 
     def start(self) -> None:
+        self.answered = _probe(self.target)
         self._call("StartContinuousProfiling", self.start_request)
 
     def snapshot(self) -> Snapshot | None:
@@ -109,9 +111,8 @@ class Session:
 
     def error(self, exc: Exception) -> dict[str, Any]:
         code, detail = exc.code(), (exc.details() or "").strip()  # type: ignore[attr-defined]
-        reason = failure_reason(code.name, detail)
-        if code.name == "UNIMPLEMENTED":
-            reason = "unimplemented"
+        reason = "unimplemented" if code.name == "UNIMPLEMENTED" else failure_reason(
+            code.name, detail, self.answered, lambda: _probe(self.target))
         words = _REASON_WORDS.get(reason, "the profiler server has no continuous profiling (TensorFlow < 2.21)"
                                   if reason == "unimplemented" else code.name)
         return {"status": "failed" if reason != "unimplemented" else "unimplemented", "reason": reason,

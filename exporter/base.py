@@ -10,7 +10,7 @@ The agent publishes the three together as one immutable snapshot per sample.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -117,6 +117,26 @@ class Collector:
 
     def close(self) -> None:
         """Release what the collector opened (threads, sockets, handles)."""
+
+
+class Sectioned:
+    """Metric families whose series come in sections that change independently (one per training job).
+
+    Iterating gives the families whole, as any reader expects. The exposition instead renders each
+    section by itself and keeps its rendering while the section's token is the same object, so a sample
+    costs what changed, not everything that exists: ``build(tokens)`` makes the families of those
+    sections only (``build([])``: every family, without series, in order).
+    """
+
+    def __init__(self, head: Sequence[Metric], build: Callable[[Sequence[Any]], Iterable[Metric]],
+                 sections: Sequence[tuple[Hashable, object]]):
+        self.head = head
+        self.build = build
+        self.sections = sections  # (key, token), in the order the series are written
+
+    def __iter__(self) -> Iterator[Metric]:
+        yield from self.head
+        yield from self.build([token for _, token in self.sections])
 
 
 def gauge(name: str, documentation: str, labels: Sequence[str],

@@ -30,14 +30,14 @@ import stat
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from prometheus_client.core import HistogramMetricFamily, Metric
 
-from .base import PREFIX, Collector, Environment, Signals, counter, gauge
+from .base import PREFIX, Collector, Environment, Sectioned, Signals, counter, gauge
 from .hook import PHASES, SCHEMA_VERSION, STEP_BUCKETS, default_socket_path
 from .options import option, parse_bool, parse_duration, parse_host, parse_int, parse_optional_address, parse_str
 
@@ -436,8 +436,12 @@ class JobState:
     folded: Counts = _ZERO
     folded_by: OrderedDict[ProcessKey, Counts] = field(default_factory=OrderedDict)
     last_seen: float = 0.0
+    dirty: bool = True  # a report or a retired process changed it since it was last frozen
+    frozen: _Frozen | None = None
 
     def totals(self) -> Counts:
+        if len(self.processes) == 1 and self.folded is _ZERO:  # the common case, without summing
+            return _counts(next(iter(self.processes.values())).latest)
         total = self.folded
         for p in self.processes.values():
             total = total.plus(_counts(p.latest))
@@ -481,6 +485,17 @@ class _Row:
     phase: str | None
     first_step_seconds: float | None
     profilers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Frozen:
+    """One job's part of a sample, kept while nothing about the job changes (an idle job costs nothing)."""
+
+    row: _Row
+    labels: dict[str, str]
+    signals: tuple[tuple[str, float], ...]
+    views: tuple[ProcessView, ...]
+    until: float  # monotonic time past which time alone changes it (a process goes quiet, the job down)
 
 
 @dataclass(frozen=True)
@@ -722,6 +737,7 @@ class TrainingCollector(Collector):
             process.latest = report
             process.last_seen = now
         job.last_seen = now
+        job.dirty = True
 
     def _log_new(self, report: Report, sender: Sender, profiler: str | None) -> None:
         """One line per new process, at most NEW_JOB_LOGS_PER_MINUTE a minute (a flood must not flood the log)."""
@@ -760,6 +776,7 @@ class TrainingCollector(Collector):
                     continue
                 counts = _counts(process.latest)
                 job.folded = job.folded.plus(counts)
+                job.dirty = True
                 job.folded_by[key] = counts
                 while len(job.folded_by) > FOLDED_KEPT:
                     job.folded_by.popitem(last=False)
@@ -775,41 +792,67 @@ class TrainingCollector(Collector):
     def _fresh(self, process: ProcessState, now: float) -> bool:
         return now - process.last_seen <= RATE_STALE_SECONDS
 
+    def configure(self, settings: HookSettings) -> None:
+        super().configure(settings)
+        with self._lock:
+            for job in self.jobs.values():
+                job.dirty = True  # down_after may have changed
+
     def _freeze(self, now: float) -> _Sampled:
-        """The current state as plain values (called with the lock held)."""
+        """The current state as plain values (called with the lock held). A job that neither reported nor
+        crossed a time threshold since the last sample keeps its frozen part: the same row object, so the
+        exposition keeps its rendering too."""
         wall = self.clock.time()
         rows, views = [], []
         signals: dict[str, list[tuple[dict[str, str], float]]] = {name: [] for name in self.signals}
-        for (job, worker), state in sorted(self.jobs.items()):
-            live = sorted(state.processes.values(), key=lambda p: p.latest.time)
-            training = [p for p in live if p.latest.phase == "train" and self._fresh(p, now)]
-            rates = [p.samples_per_second for p in training if p.samples_per_second is not None]
-            newest = live[-1].latest if live else None
-            rows.append(_Row(
-                key=(job, worker), totals=state.totals(), processes=len(live),
-                up=now - state.last_seen <= self.settings.down_after, rate=sum(rates) if rates else None,
-                batch_size=newest.batch_size if newest else None,
-                epoch=max(p.latest.epoch for p in live) if live else None,
-                phase=_phase(live) if live else None,
-                first_step_seconds=newest.first_step_seconds if newest else None,
-                profilers=tuple(sorted({p.profiler or "" for p in live}))))
-            labels = {"training_job": job, "worker": worker}
-            if rates:
-                signals["samples_per_second"].append((labels, sum(rates)))
-            steps = [p.recent_step_seconds for p in training if p.recent_step_seconds is not None]
-            if steps:
-                signals["step_seconds"].append((labels, sum(steps) / len(steps)))
-            waiting = [wall - p.latest.process_start for p in live if p.latest.first_step_seconds is None]
-            if waiting:
-                signals["seconds_without_first_step"].append((labels, max(waiting)))
-            for p in state.processes.values():
-                fresh = self._fresh(p, now)
-                views.append(ProcessView(job, worker, p.latest.pid, p.key[0] == "local", p.latest.phase,
-                                         p.latest.phase == "train" and fresh, p.profiler,
-                                         p.samples_per_second if fresh else None,
-                                         p.latest.batch_size or p.recent_batch, p.pid_verified))
+        for series, state in sorted(self.jobs.items()):
+            frozen = state.frozen
+            if frozen is None or state.dirty or now > frozen.until:
+                frozen = state.frozen = self._freeze_job(series, state, now, wall)
+                state.dirty = False
+            rows.append(frozen.row)
+            views.extend(frozen.views)
+            for name, value in frozen.signals:
+                signals[name].append((frozen.labels, value))
         return _Sampled(tuple(rows), tuple(sorted(self.rejected.items())), self.accepted, signals,
                         TrainingProcesses(tuple(views)))
+
+    def _freeze_job(self, series: tuple[str, str], state: JobState, now: float, wall: float) -> _Frozen:
+        job, worker = series
+        live = sorted(state.processes.values(), key=lambda p: p.latest.time)
+        training = [p for p in live if p.latest.phase == "train" and self._fresh(p, now)]
+        rates = [p.samples_per_second for p in training if p.samples_per_second is not None]
+        newest = live[-1].latest if live else None
+        up = now - state.last_seen <= self.settings.down_after
+        row = _Row(key=series, totals=state.totals(), processes=len(live), up=up,
+                   rate=sum(rates) if rates else None, batch_size=newest.batch_size if newest else None,
+                   epoch=max(p.latest.epoch for p in live) if live else None,
+                   phase=_phase(live) if live else None,
+                   first_step_seconds=newest.first_step_seconds if newest else None,
+                   profilers=tuple(sorted({p.profiler or "" for p in live})))
+        signals: list[tuple[str, float]] = []
+        if rates:
+            signals.append(("samples_per_second", sum(rates)))
+        steps = [p.recent_step_seconds for p in training if p.recent_step_seconds is not None]
+        if steps:
+            signals.append(("step_seconds", sum(steps) / len(steps)))
+        waiting = [wall - p.latest.process_start for p in live if p.latest.first_step_seconds is None]
+        if waiting:
+            signals.append(("seconds_without_first_step", max(waiting)))
+        views = []
+        for p in state.processes.values():
+            fresh = self._fresh(p, now)
+            views.append(ProcessView(job, worker, p.latest.pid, p.key[0] == "local", p.latest.phase,
+                                     p.latest.phase == "train" and fresh, p.profiler,
+                                     p.samples_per_second if fresh else None, p.latest.batch_size or p.recent_batch,
+                                     p.pid_verified))
+        # when time alone changes this part: a fresh process goes quiet, the job goes down; a process
+        # still waiting for its first step reports a wall-clock age, so it is refrozen every sample
+        thresholds = [p.last_seen + RATE_STALE_SECONDS for p in live if self._fresh(p, now)]
+        if up:
+            thresholds.append(state.last_seen + self.settings.down_after)
+        until = now if waiting else min(thresholds, default=float("inf"))
+        return _Frozen(row, {"training_job": job, "worker": worker}, tuple(signals), tuple(views), until)
 
     def rule_signals(self) -> Signals:
         return self._sampled.signals
@@ -821,10 +864,7 @@ class TrainingCollector(Collector):
         return self._problem
 
     def close(self) -> None:
-        self._stop.set()
-        thread = getattr(self, "_thread", None)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=1)
+        """Remove the socket file first (nothing can report any more), then stop the listener and close."""
         for sock in self._sockets:
             if sock.family == socket.AF_UNIX:
                 path = sock.getsockname()
@@ -833,51 +873,62 @@ class TrainingCollector(Collector):
                         os.unlink(path)
                 except OSError:
                     pass
+        self._stop.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1)
+        for sock in self._sockets:
             sock.close()
         self._selector.close()
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Sectioned:
+        """The hook's own families, then the jobs' families in sections of one job each: a job whose row
+        did not change since the last sample keeps its rendering (see ``Sectioned``)."""
         sampled = self._sampled
-        rows = sampled.rows
-        labels = ["training_job", "worker"]
-        yield counter("hook_reports", "Total training-hook reports accepted.", [], [((), sampled.accepted)])
-        yield counter("hook_reports_rejected", "Total training-hook reports rejected and dropped, by reason.",
-                      ["reason"], (((reason,), n) for reason, n in sampled.rejected))
-        yield gauge("hook_jobs", "Number of (training_job, worker) series the agent tracks (at most hook.max_jobs).",
-                    [], [((), len(rows))])
-        yield gauge("training_up", "Whether the training job reported within the last down_after seconds.", labels,
-                    ((r.key, 1.0 if r.up else 0.0) for r in rows))
-        yield gauge("training_processes", "Number of processes reporting for the training job.", labels,
-                    ((r.key, r.processes) for r in rows))
-        yield counter("training_steps", "Total training steps (batches) the job has run.", labels,
-                      ((r.key, r.totals.steps) for r in rows))
-        yield counter("training_samples", "Total training samples (examples) the job has processed.", labels,
-                      ((r.key, r.totals.samples) for r in rows))
-        yield counter("training_skipped_steps", "Total training steps whose update a mixed-precision loss-scale "
-                      "optimizer skipped after a gradient overflow (Keras 3).", labels,
-                      ((r.key, r.totals.skipped) for r in rows))
-        yield gauge("training_samples_per_second", "Training throughput of the job's processes, summed, between "
-                    "their last two reports (absent while none trains).", labels,
-                    ((r.key, r.rate) for r in rows if r.rate is not None))
-        yield gauge("training_batch_size", "Batch size the job declared.", labels,
-                    ((r.key, r.batch_size) for r in rows if r.batch_size is not None))
-        yield gauge("training_epoch", "Current epoch of the job (0-based).", labels,
-                    ((r.key, r.epoch) for r in rows if r.epoch is not None))
-        yield gauge("training_phase", "Whether the job is in this phase (1) or not (0).", [*labels, "phase"],
-                    (([*r.key, phase], 1.0 if phase == r.phase else 0.0)
-                     for r in rows if r.phase is not None for phase in PHASES))
-        yield gauge("training_first_step_seconds", "Seconds from process start to the job's first training step.",
-                    labels, ((r.key, r.first_step_seconds) for r in rows if r.first_step_seconds is not None))
-        yield gauge("training_info", "Training job metadata: the profiler server address of each of its processes; "
-                    "the value is 1.", [*labels, "profiler_address"],
-                    (([*r.key, address], 1) for r in rows for address in r.profilers))
-        histogram = HistogramMetricFamily(PREFIX + "training_step_duration_seconds",
-                                          "Duration of training steps as the hook measured them.", labels=labels)
-        for r in rows:
-            buckets = [(repr(bound), float(c)) for bound, c in zip(STEP_BUCKETS, r.totals.buckets, strict=True)]
-            buckets.append(("+Inf", float(r.totals.step_count)))
-            histogram.add_metric(list(r.key), buckets, r.totals.step_sum)
-        yield histogram
+        head = [counter("hook_reports", "Total training-hook reports accepted.", [], [((), sampled.accepted)]),
+                counter("hook_reports_rejected", "Total training-hook reports rejected and dropped, by reason.",
+                        ["reason"], (((reason,), n) for reason, n in sampled.rejected)),
+                gauge("hook_jobs", "Number of (training_job, worker) series the agent tracks (at most "
+                      "hook.max_jobs).", [], [((), len(sampled.rows))])]
+        return Sectioned(head, _job_families, [(r.key, r) for r in sampled.rows])
+
+
+def _job_families(rows: Sequence[_Row]) -> Iterator[Metric]:
+    """The families of these jobs' series."""
+    labels = ["training_job", "worker"]
+    yield gauge("training_up", "Whether the training job reported within the last down_after seconds.", labels,
+                ((r.key, 1.0 if r.up else 0.0) for r in rows))
+    yield gauge("training_processes", "Number of processes reporting for the training job.", labels,
+                ((r.key, r.processes) for r in rows))
+    yield counter("training_steps", "Total training steps (batches) the job has run.", labels,
+                  ((r.key, r.totals.steps) for r in rows))
+    yield counter("training_samples", "Total training samples (examples) the job has processed.", labels,
+                  ((r.key, r.totals.samples) for r in rows))
+    yield counter("training_skipped_steps", "Total training steps whose update a mixed-precision loss-scale "
+                  "optimizer skipped after a gradient overflow (Keras 3).", labels,
+                  ((r.key, r.totals.skipped) for r in rows))
+    yield gauge("training_samples_per_second", "Training throughput of the job's processes, summed, between "
+                "their last two reports (absent while none trains).", labels,
+                ((r.key, r.rate) for r in rows if r.rate is not None))
+    yield gauge("training_batch_size", "Batch size the job declared.", labels,
+                ((r.key, r.batch_size) for r in rows if r.batch_size is not None))
+    yield gauge("training_epoch", "Current epoch of the job (0-based).", labels,
+                ((r.key, r.epoch) for r in rows if r.epoch is not None))
+    yield gauge("training_phase", "Whether the job is in this phase (1) or not (0).", [*labels, "phase"],
+                (([*r.key, phase], 1.0 if phase == r.phase else 0.0)
+                 for r in rows if r.phase is not None for phase in PHASES))
+    yield gauge("training_first_step_seconds", "Seconds from process start to the job's first training step.",
+                labels, ((r.key, r.first_step_seconds) for r in rows if r.first_step_seconds is not None))
+    yield gauge("training_info", "Training job metadata: the profiler server address of each of its processes; "
+                "the value is 1.", [*labels, "profiler_address"],
+                (([*r.key, address], 1) for r in rows for address in r.profilers))
+    histogram = HistogramMetricFamily(PREFIX + "training_step_duration_seconds",
+                                      "Duration of training steps as the hook measured them.", labels=labels)
+    for r in rows:
+        buckets = [(repr(bound), float(c)) for bound, c in zip(STEP_BUCKETS, r.totals.buckets, strict=True)]
+        buckets.append(("+Inf", float(r.totals.step_count)))
+        histogram.add_metric(list(r.key), buckets, r.totals.step_sum)
+    yield histogram
 
 
 def _phase(live: list[ProcessState]) -> str:

@@ -123,7 +123,7 @@ class GpuState:
 
 
 def http(method: str, url: str, body: Any = None, token: str | None = None,
-         timeout: float = 10) -> tuple[int, Any]:
+         timeout: float = 10, headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """(status, parsed JSON or text) of one request; HTTP errors are returned, not raised."""
     data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
     request = urllib.request.Request(url, data=data, method=method)
@@ -131,6 +131,8 @@ def http(method: str, url: str, body: Any = None, token: str | None = None,
         request.add_header("Content-Type", "application/json")
     if token:
         request.add_header("Authorization", f"Bearer {token}")
+    for name, value in (headers or {}).items():
+        request.add_header(name, value)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             status, raw, ctype = response.status, response.read(), response.headers.get("Content-Type", "")
@@ -293,13 +295,28 @@ def job_reporting(agent: AgentProcess, job: str) -> bool:
     return metric_value(agent.scrape(), "tfprofd_training_up", training_job=job) == 1
 
 
-def wait_capture(agent: AgentProcess, capture_id: str, timeout: float = 60) -> dict[str, Any]:
+# The agent ends every capture within captures.timeout (90 s) + its duration, and its analysis within
+# captures.analysis_timeout (180 s): a wait on a record covers both, however busy the machine.
+RECORD_FINAL_WITHIN_S = 90 + 60 + 180
+
+
+def wait_capture(agent: AgentProcess, capture_id: str, timeout: float = RECORD_FINAL_WITHIN_S) -> dict[str, Any]:
     def finished():
         status, record = agent.call("GET", f"/captures/{capture_id}")
         assert status == 200, record
         return record if record["status"] not in ("running", "analyzing") else None
 
     return wait_for(finished, timeout, 0.2, message=f"capture {capture_id} to finish")
+
+
+def wait_traced(agent: AgentProcess, capture_id: str, timeout: float = 90 + 60) -> dict[str, Any]:
+    """The capture's record once its trace is taken or it failed (its analysis may still run)."""
+    def traced():
+        status, record = agent.call("GET", f"/captures/{capture_id}")
+        assert status == 200, record
+        return record if record["status"] != "running" else None
+
+    return wait_for(traced, timeout, 0.2, message=f"capture {capture_id} to be traced")
 
 
 class Server:

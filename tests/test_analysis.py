@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import job_reporting, metric_value, start_training, wait_capture, wait_for
+from helpers import FIXTURES, job_reporting, metric_value, start_training, wait_capture, wait_for
 
 pytestmark = pytest.mark.tf
 
@@ -49,7 +50,7 @@ def unmarked(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("analysis")
     (tmp / "tfprofd.yaml").write_text("rules: []\n")
     agent = AgentProcess(tmp, args=["--config", str(tmp / "tfprofd.yaml"), "--captures.max-per-hour", "100"]).start()
-    job = start_training(agent.hook_port, "--job", "plain", "--no-markers", "--seconds", "60")
+    job = start_training(agent.hook_port, "--job", "plain", "--no-markers", "--seconds", "600")  # killed at the end
     try:
         wait_for(lambda: (metric_value(agent.scrape(), "tfprofd_training_steps_total", training_job="plain") or 0) > 50,
                  90, message="the unmarked job to train")
@@ -63,13 +64,15 @@ def unmarked(tmp_path_factory):
         agent.stop()
 
 
-def test_trace_without_step_markers_is_unknown_with_a_reason(unmarked):
+def test_a_fit_without_step_markers_gets_inferred_steps_and_says_so(unmarked):
     agent, record = unmarked
     assert record["status"] == "done", record
     analysis = record["analysis"]
-    assert analysis["bottleneck"] == "unknown" and analysis["steps"] == 0
-    assert "no training steps" in analysis["summary"] and "step markers" in analysis["recommendation"]
-    assert metric_value(agent.scrape(), "tfprofd_capture_bottleneck_info", training_job="plain", kind="unknown") == 1
+    assert analysis["steps_inferred"] is True and analysis["steps"] > 0, analysis["summary"]
+    assert "executions of tf.function 'multi_step_on_iterator'" in analysis["steps_found"], analysis["steps_found"]
+    kind = analysis["bottleneck"]
+    assert kind != "unknown", analysis["summary"]
+    assert metric_value(agent.scrape(), "tfprofd_capture_bottleneck_info", training_job="plain", kind=kind) == 1
     # xprof's cache files sit beside the trace and count in the record's bytes.
     directory = Path(record["directory"])
     trace = directory / record["files"][0]
@@ -102,3 +105,16 @@ def test_idle_process_gives_empty_trace_and_the_stub_is_deleted(unmarked, tmp_pa
     assert not list(Path(record["directory"]).glob("**/*.xplane.pb"))
     assert agent.proc.poll() is None
     shutil.rmtree(record["directory"], ignore_errors=True)
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["report", "json"])
+def test_a_reader_that_goes_away_ends_the_analysis_quietly(tmp_path, as_json):
+    """`tfprofd analyze ... | head`: the reader closes the pipe before the report is written."""
+    trace = tmp_path / "localhost.xplane.pb"
+    trace.write_bytes(lzma.decompress((FIXTURES / "traces" / "plain-small_batch.xplane.pb.xz").read_bytes()))
+    proc = subprocess.Popen([sys.executable, "-m", "tfprofd.daemon", "analyze", str(trace), *(["--json"] * as_json)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before anything is written: every write meets a closed pipe
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, stderr
+    assert stderr == "", stderr  # no BrokenPipeError traceback, no "Exception ignored" at exit

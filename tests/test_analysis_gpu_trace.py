@@ -1,23 +1,29 @@
-"""The analysis on a real GPU trace (../shared/traces/v100-bert-mirrored: BERT fine-tuning under
-MirroredStrategy on 8 × V100, from the public tensorflow/profiler repository): coherent numbers, device ops
-with their kernels, a verdict with its numbers, and why it differs from xprof's own conclusion."""
+"""The analysis on a real GPU trace (tests/fixtures/traces/v100-bert-mirrored.xplane.pb.xz: BERT fine-tuning
+under MirroredStrategy on 8 × V100, from the public tensorflow/profiler repository; provenance in
+tests/fixtures/traces/README.md): coherent numbers, device ops with their kernels, a verdict with its
+numbers and the strength of its evidence, each GPU's own results, and why it differs from xprof's own
+conclusion."""
 
 from __future__ import annotations
 
 import json
+import lzma
 import math
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from tfprofd.daemon.analysis import report
+from tfprofd.daemon.analysis import CaptureAnalysis, WorkerAnalysis, report
+from tfprofd.daemon.analysis.classify import conclude
+from tfprofd.daemon.protos import xplane_pb2
 
-from helpers import ROOT
+from helpers import FIXTURES
 
-TRACE_DIR = ROOT.parent / "shared" / "traces" / "v100-bert-mirrored"
+RECORDED = FIXTURES / "traces" / "v100-bert-mirrored.xplane.pb.xz"
 
 
 def analyze(*args: str) -> subprocess.CompletedProcess:
@@ -26,10 +32,17 @@ def analyze(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def v100() -> dict:
-    if not TRACE_DIR.exists():
-        pytest.fail(f"{TRACE_DIR} is missing: the repository's shared/ folder holds the real traces")
-    result = analyze(str(TRACE_DIR), "--json")
+def trace_dir(tmp_path_factory) -> Path:
+    """The trace in the layout TensorBoard writes (``plugins/profile/<run>/<host>.xplane.pb``)."""
+    run = tmp_path_factory.mktemp("v100") / "plugins" / "profile" / "2020_12_23_demo"
+    run.mkdir(parents=True)
+    (run / "34.83.195.179_6003.xplane.pb").write_bytes(lzma.decompress(RECORDED.read_bytes()))
+    return run.parent.parent.parent
+
+
+@pytest.fixture(scope="module")
+def v100(trace_dir) -> dict:
+    result = analyze(str(trace_dir), "--json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -61,16 +74,99 @@ def test_device_ops_carry_their_kernels(v100):
     assert v100["copies_ms"]["H2D"] > 0 and v100["copies_ms"]["D2H"] > 0
 
 
-def test_the_verdict_has_its_numbers_and_says_why_it_differs_from_xprof(v100):
+def test_the_verdict_names_launch_bound_with_its_numbers_and_says_why_it_differs_from_xprof(v100):
+    # The GPU idles 30% of the step, but not in untraced host time: the thread launching GPU:6's kernels runs
+    # through the step, launching 665 kernels of ~22 µs each. gpu_private is set (its threads are in the trace).
     assert v100["bottleneck"] == "host"
-    assert "30% of each 21.3 ms step (6.4 ms)" in v100["summary"] and "computes 70% (14.9 ms)" in v100["summary"]
+    summary = v100["summary"]
+    assert ("launch-bound: the thread launching GPU:6's kernels (tf_gpu_private_6) runs 86% of each 21.3 ms step "
+            "to launch 665 kernels of 22 µs each on average, so the GPU computes 70% (14.9 ms) and waits 30% "
+            "(6.4 ms) for the next kernel (TF_GPU_THREAD_MODE=gpu_private is already set") in summary, summary
+    assert "untraced host time" not in summary
+    assert v100["launch"]["gpu_private"] and v100["launch"]["kernels_per_step"] == 665
     assert "POTENTIALLY input-bound" in v100["xprof_conclusion"]
     assert "no wait for input" in v100["xprof_differs"] and "input wait 0.0 ms" in v100["xprof_differs"]
 
 
-def test_the_report_reads_well_and_xprof_stays_quiet(tmp_path):
+def test_one_step_in_a_long_capture_is_too_little_to_conclude(v100):
+    evidence = v100["evidence"]
+    assert evidence["steps"] == 1 and not evidence["sufficient"] and evidence["span_share"] < 0.01
+    assert "host (too little to conclude from 1 step spanning 1% of a 2.65 s capture): launch-bound" in v100["summary"]
+    assert v100["recommendation"].startswith("Too little to conclude from 1 step spanning 1% of a 2.65 s capture: "
+                                             "capture again for longer"), v100["recommendation"]
+    assert "TF_GPU_THREAD_MODE" not in v100["recommendation"] and "XLA" not in v100["recommendation"]
+
+
+def test_with_enough_steps_the_launch_bound_advice_leaves_out_what_is_set(v100):
+    worker = WorkerAnalysis.from_json(v100)
+    enough = replace(worker, evidence=replace(worker.evidence, steps=50, span_share=0.9, sufficient=True))
+    verdict, summary = conclude(enough)
+    assert verdict.kind == "host" and summary.startswith("host: launch-bound")
+    assert "jit_compile=True" in verdict.recommendation and "Set TF_GPU_THREAD_MODE" not in verdict.recommendation
+    private_unset = replace(enough, launch=replace(enough.launch, gpu_private=False))
+    assert "Set TF_GPU_THREAD_MODE=gpu_private" in conclude(private_unset)[0].recommendation
+
+
+def test_each_gpu_is_reported_and_the_idle_ones_named(v100):
+    devices = {d["name"]: d for d in v100["devices"]}
+    assert sorted(devices) == [f"GPU:{i}" for i in range(8)]
+    assert math.isclose(devices["GPU:4"]["step_ms"], 19.87, abs_tol=0.01)
+    assert math.isclose(devices["GPU:6"]["step_ms"], 21.31, abs_tol=0.01)
+    assert math.isclose(devices["GPU:4"]["busy"], 0.746, abs_tol=0.005)
+    assert math.isclose(devices["GPU:6"]["idle"], 0.302, abs_tol=0.005)
+    assert devices["GPU:4"]["kernels"] == devices["GPU:6"]["kernels"] == 665
+    assert v100["idle_devices"] == ["GPU:0", "GPU:1", "GPU:2", "GPU:3", "GPU:5", "GPU:7"]
+    assert v100["straggling_device"] is None
+    assert v100["devices_summary"] == (
+        "8 GPUs, 2 ran kernels: GPU:6 21.3 ms per step (1 step; kernels busy 70%, idle 30%; copies D2H 0.0 ms, "
+        "H2D 0.2 ms), GPU:4 19.9 ms per step (1 step; kernels busy 75%, idle 25%; copies D2H 0.0 ms, H2D 0.2 ms); "
+        "idle (no kernels): GPU:0, GPU:1 (copies only), GPU:2, GPU:3, GPU:5, GPU:7; no straggling GPU (GPU:6's steps "
+        "are 7% longer than the others' 19.9 ms, under 10%)")
+    assert v100["summary"].endswith("; 6 of 8 GPUs ran no kernels (GPU:0, GPU:1, GPU:2, GPU:3, GPU:5, GPU:7)")
+    assert f"GPUs: {v100['devices_summary']}" in report(CaptureAnalysis.from_json(v100)).splitlines()
+
+
+def _edited(trace: Path, out: Path) -> Path:
+    """The V100 trace with GPU:6's step 30 ms long, its device-to-host copies made device-to-device copies on
+    a stream line that also computes, and its Mul and GreaterEqual ops named as junk rows are."""
+    space = xplane_pb2.XSpace.FromString(trace.read_bytes())
+    for plane in space.planes:
+        if plane.name != "/device:GPU:6":
+            continue
+        for meta in plane.event_metadata.values():
+            if meta.name == "MemcpyD2H":
+                meta.name = "MemcpyD2D"
+            elif meta.name.split("#")[0].endswith(":Mul"):
+                meta.name = "dummy"
+            elif meta.name.split("#")[0].endswith(":GreaterEqual"):
+                meta.name = "(null)"
+        for line in plane.lines:
+            if line.name == "Stream #144(MemcpyD2H)":
+                line.name = line.display_name = "Stream #144(Compute,MemcpyH2D,MemcpyD2D)"
+            if line.name == "Steps":
+                line.events[0].duration_ps = 30_000_000_000
+    out.write_bytes(space.SerializeToString())
+    return out
+
+
+def test_a_straggling_gpu_device_copies_and_junk_rows(trace_dir, tmp_path):
+    edited = _edited(next(trace_dir.glob("**/*.xplane.pb")), tmp_path / "edited.xplane.pb")
+    result = analyze(str(edited), "--json")
+    assert result.returncode == 0, result.stderr
+    a = json.loads(result.stdout)
+    assert a["straggling_device"] == "GPU:6"
+    assert "GPU:6 straggles: 30.0 ms per step against 19.9 ms on the others (+51%)" in a["devices_summary"]
+    gpu6 = next(d for d in a["devices"] if d["name"] == "GPU:6")
+    assert set(gpu6["copies_ms"]) == {"D2D", "H2D"} and math.isclose(gpu6["copies_ms"]["D2D"], 0.04, abs_tol=0.01)
+    assert "D2D" in a["copies_ms"] and "other" not in a["copies_ms"]
+    names = [o["name"] for kind in ("input", "host", "device") for o in a["ops"][kind]]
+    assert not {"dummy", "(null)"} & set(names), names
+    assert {"Cast", "RandomUniform", "Mul"} <= set(names)  # GPU:4 still runs its Mul ops
+
+
+def test_the_report_reads_well_and_xprof_stays_quiet(trace_dir, tmp_path):
     alone = tmp_path / "just-a-file.xplane.pb"  # a standalone trace, outside any plugins/profile layout
-    shutil.copy(next(TRACE_DIR.glob("**/*.xplane.pb")), alone)
+    shutil.copy(next(trace_dir.glob("**/*.xplane.pb")), alone)
     result = analyze(str(alone))
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", result.stderr[:500]  # xprof's C++ log lines go nowhere without --verbose
@@ -85,6 +181,8 @@ def test_the_report_reads_well_and_xprof_stays_quiet(tmp_path):
 
 
 def test_report_takes_an_analysis_of_a_standalone_trace(v100):
-    text = report({**v100, "trace": "/tmp/x.xplane.pb"})
+    moved = {**v100, "trace": "/tmp/x.xplane.pb", "workers": [{**w, "trace": "/tmp/x.xplane.pb"}
+                                                                 for w in v100["workers"]]}
+    text = report(CaptureAnalysis.from_json(moved))
     assert "bottleneck: host" in text and "open in the viewer" not in text
-    assert Path(v100["trace"]).name in report(v100)
+    assert Path(v100["trace"]).name in report(CaptureAnalysis.from_json(v100))

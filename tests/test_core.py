@@ -46,6 +46,8 @@ def test_a_busy_port_fails_the_start_at_once_with_one_clear_line(tmp_path):
     assert result.returncode == 1, (result, took)  # at once: run_agent's timeout bounds any retrying
     assert f"tfprofd: cannot start: cannot listen on 127.0.0.1:{port} for metrics" in result.stderr
     assert "Traceback" not in result.stderr
+    assert "tfprofd stopped" not in result.stdout + result.stderr  # it never ran
+    assert not (tmp_path / "hook.sock").exists()  # what it opened before failing is gone
 
 
 @pytest.mark.parametrize("problem", ["not a directory", "world-writable"])
@@ -79,6 +81,7 @@ def test_sigterm_stops_the_agent_every_time(agents, gpus):
         took = agent.stop()
         assert agent.proc.returncode == 0, f"killed after {took:.1f}s"
         assert "tfprofd stopped" in agent.log()
+        assert not agent.hook_socket.exists(), "the hook socket was left behind"
 
 
 def signal_thread(pid: int, sig: signal.Signals) -> None:

@@ -154,6 +154,42 @@ def test_a_failed_analysis_ends_the_record_and_a_good_one_finishes_it(tmp_path, 
     assert captures.policy.busy() == frozenset()
 
 
+GOOD_ANALYSIS = {"host": "w0", "trace": "/x/w0.xplane.pb", "bottleneck": "input", "why": "input-bound: 40% of each "
+                 "10.0 ms step waits for input (4.0 ms)", "summary": "input: input-bound", "recommendation": "prefetch",
+                 "hardware": "CPU_ONLY", "steps": 12, "capture_seconds": 1.0,
+                 "step_time_ms": {"mean": 10.0, "stdev": 1.0, "min": 9.0, "max": 12.0},
+                 "breakdown_ms": {"input_wait": 4.0, "host_compute": 6.0},
+                 "breakdown": {"input_wait": 0.4, "host_compute": 0.6}, "input_bound_ratio": 0.4,
+                 "ops": {"input": [{"name": "Iterator::Map", "ms_per_step": 3.0, "ms_total": 36.0}]},
+                 "evidence": {"steps": 12, "span_share": 0.9, "capture_seconds": 1.0, "sufficient": True}}
+
+
+@pytest.mark.parametrize("printed, status", [({**GOOD_ANALYSIS, "steps": "many"}, "analysis_failed"),
+                                             ({**GOOD_ANALYSIS, "ops": {"input": "Map"}}, "analysis_failed"),
+                                             (GOOD_ANALYSIS, "done")], ids=["steps", "ops", "good"])
+def test_the_analysis_worker_output_is_read_into_the_typed_record(tmp_path, monkeypatch, printed, status):
+    """What the analysis worker prints is checked at the process boundary: a malformed analysis fails the record
+    with the field named; a good one is stored, and reads back the same from disk."""
+    captures = service(tmp_path)
+    monkeypatch.setattr(captures.capture_workers, "run",
+                        lambda *a, **k: Outcome("ok", {"status": "done", "files": ["x.xplane.pb"], "rpc_sent_at": 1.0}))
+    monkeypatch.setattr(captures.analysis_workers, "run", lambda *a, **k: Outcome("ok", printed))
+    [record] = captures.request("manual")
+    wait_for(lambda: captures.get(record.id).status not in ("running", "analyzing"), 10, message="the record to end")
+    record = captures.get(record.id)
+    assert record.status == status, record.detail
+    if status != "done":
+        assert record.detail.startswith("the analysis worker printed a malformed analysis: analysis field"), \
+            record.detail
+        assert record.analysis is None
+        return
+    assert record.analysis.lead.step_time_ms.mean == 10.0 and record.analysis.lead.ops.input[0].name == "Iterator::Map"
+    [reloaded] = [r for r in RecordStore(tmp_path).load() if r.id == record.id]
+    assert reloaded.analysis == record.analysis
+    bottleneck = next(f for f in captures.collect() if f.name == "tfprofd_capture_bottleneck_info")
+    assert [s.labels for s in bottleneck.samples] in ([], [{"training_job": record.job, "kind": "input"}])
+
+
 def test_no_space_for_the_record_is_a_storage_error_that_frees_the_process(tmp_path, monkeypatch):
     captures = service(tmp_path)
 
@@ -321,3 +357,29 @@ def test_a_trace_of_a_process_that_only_answered_the_hook_is_an_empty_trace():
     idle = _space({"python": hook_reads, "tfprofd-hook": hook_reads})
     assert len(idle) > 2048 and _is_empty(idle)
     assert not _is_empty(_space({"python": hook_reads, "tf_Compute/1": ["dense/MatMul:MatMul"] * 10}))
+
+
+def test_the_job_registry_says_where_a_job_trains_for_each_kind_of_series():
+    from tfprofd.daemon.sampler import Snapshot
+    from tfprofd.exporter.nvml import GpuProcesses
+    from tfprofd.exporter.training import ProcessView, TrainingProcesses
+
+    def snapshot(collector: str, *facts) -> Snapshot:
+        return Snapshot(collector, 0.0, 0.0, True, 0.0, {}, facts, lambda: [])
+
+    registry = JobRegistry()
+    assert not registry.is_training({})
+    registry.on_snapshot(snapshot("training", TrainingProcesses((
+        ProcessView("a", "0", 10, True, "train", True, None), ProcessView("a", "1", 11, True, "eval", False, None),
+        ProcessView("b", "0", 12, True, "train", False, None)))))  # b's process went quiet
+    assert registry.is_training({"training_job": "a", "worker": "0"})
+    assert not registry.is_training({"training_job": "a", "worker": "1"})
+    assert registry.is_training({"training_job": "a"}) and not registry.is_training({"training_job": "b"})
+    assert registry.is_training({"gpu": "0"}) and registry.is_training({})  # NVML lists none: anywhere on the host
+    registry.on_snapshot(snapshot("cpu"))  # a collector without facts changes nothing
+    registry.on_snapshot(snapshot("nvml", GpuProcesses((("0", "u0", frozenset({11})), ("1", "u1", frozenset({10})),
+                                                        ("2", "u2", frozenset({99}))))))
+    assert registry.is_training({"gpu": "1"})  # a's worker 0 trains there
+    assert not registry.is_training({"gpu": "0"}) and not registry.is_training({"gpu": "2"})
+    registry.forget("training")
+    assert not registry.is_training({"gpu": "1"}) and not registry.is_training({"training_job": "a"})

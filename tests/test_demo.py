@@ -30,13 +30,47 @@ def alive(pid: int) -> bool:
     return not open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z"
 
 
-def test_demo_finds_the_input_bottleneck(tmp_path):
+def finds_the_input_bottleneck(tmp_path) -> str:
+    # The demo's own timeout (300 s) bounds the wait: the job trains 12 s as the agent sees it, whatever its start
     proc = demo(tmp_path, "--slow-after", "12")
-    out, _ = proc.communicate(timeout=300)
+    out, _ = proc.communicate(timeout=420)
     assert proc.returncode == 0, out[-3000:]
     assert "throughput_drop FIRING" in out
-    assert "bottleneck: input" in out
-    assert f"open in the viewer: xprof --logdir {tmp_path}/state/captures/" in out
+    assert "injected: the job's reads now take 2 ms per record" in out
+    counted = out.rsplit("injected: ", 1)[1]  # what the demo found after its injection
+    assert "bottleneck: input" in counted, out[-3000:]
+    assert f"open in the viewer: xprof --logdir {tmp_path}/state/captures/" in counted
+    assert "host over the" in counted  # the capture's host context
+    return out
+
+
+def test_demo_finds_the_input_bottleneck(tmp_path):
+    finds_the_input_bottleneck(tmp_path)
+
+
+def test_demo_finds_the_input_bottleneck_beside_a_cpu_hog(tmp_path):
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        finds_the_input_bottleneck(tmp_path)
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def test_demo_fails_when_the_capture_names_another_cause():
+    from tfprofd.daemon.demo import check
+
+    record = {"id": "20260101T000000Z-abcdef", "trigger": "rule", "rule": "throughput_drop", "status": "done",
+              "analysis": {"bottleneck": "host_contention", "summary": "host_contention: other processes used 1.7 of "
+                           "2 CPUs", "recommendation": "move them", "trace": "/x/plugins/profile/r/h.xplane.pb"}}
+    ok, text = check(record)
+    assert not ok
+    assert "names host_contention, but the demo injected an input bottleneck" in text
+    record["analysis"]["bottleneck"] = "input"
+    assert check(record)[0]
+    ok, text = check({**record, "status": "analysis_failed", "analysis": None, "reason": "analysis_error",
+                      "detail": "boom"})
+    assert not ok and "no analysis: analysis_error: boom" in text
 
 
 def test_ctrl_c_stops_every_process_the_demo_started(tmp_path):

@@ -4,6 +4,7 @@ pip (the Helm chart has its own tests in test_helm.py)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -86,6 +87,22 @@ def test_example_alertmanager_config_sends_the_slowdown_alerts_to_the_agents(ale
     result = run(tool("amtool"), "config", "routes", "test", f"--config.file={PROMETHEUS / 'alertmanager-example.yml'}",
                  f"alertname={alert}", "instance=gpu-node-2:9847", "training_job=bert", "worker=worker-1")
     assert result.returncode == 0 and result.stdout.split() == ["tfprofd-capture"], result.stdout + result.stderr
+
+
+def test_example_prometheus_config_passes_promtool_and_gives_the_alerts_their_job():
+    config = PROMETHEUS / "prometheus-example.yml"
+    result = run(tool("promtool"), "check", "config", str(config))
+    assert result.returncode == 0 and "SUCCESS: 11 rules found" in result.stdout, result.stdout + result.stderr
+    example = yaml.safe_load(config.read_text())
+    jobs = {c["job_name"]: c for c in example["scrape_configs"]}
+    rules = [r for g in yaml.safe_load((PROMETHEUS / "tfprofd-alerts.yaml").read_text())["groups"] for r in g["rules"]]
+    selected = {job for r in rules for job in re.findall(r'\bjob="([^"]+)"', r["expr"])}
+    assert selected == {"tfprofd"} and selected <= set(jobs), (selected, set(jobs))
+    # The Alertmanager example posts to the control API of exactly the hosts this job scrapes.
+    scraped = {t for c in jobs["tfprofd"]["static_configs"] for t in c["targets"]}
+    receivers = yaml.safe_load((PROMETHEUS / "alertmanager-example.yml").read_text())["receivers"]
+    hooks = {w["url"] for r in receivers for w in r.get("webhook_configs", [])}
+    assert {t.replace(":9847", ":9848") for t in scraped} == {u.split("/")[2] for u in hooks}, (scraped, hooks)
 
 
 def test_systemd_unit_passes_systemd_analyze_verify(tmp_path):

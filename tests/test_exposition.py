@@ -81,3 +81,93 @@ def test_the_fast_renderer_writes_what_prometheus_client_writes(agents, gpus):
     for families in (exported, _tricky_families()):
         for fmt in (TEXT, OPENMETRICS):
             assert render(families, fmt) == render_library(families, fmt), fmt
+
+
+def test_training_jobs_rendered_job_by_job_read_as_a_full_rendering_through_every_change():
+    """The training family is rendered one job at a time and a job's lines kept while it does not change:
+    what a scrape reads must stay what prometheus_client writes for the whole state, through reports, a
+    job going quiet (no rate), going down, coming back, a new job and an expired one."""
+    import json
+
+    from test_core_units import FakeClock
+
+    from tfprofd.daemon.exposition import OPENMETRICS, TEXT, render, render_library
+    from tfprofd.exporter.base import Environment
+    from tfprofd.exporter.hook import Reporter
+    from tfprofd.exporter.training import HookSettings, Sender, TrainingCollector
+
+    clock = FakeClock()
+    collector = TrainingCollector(HookSettings(socket="", listen=None, down_after=30, expire_after=100),
+                                  Environment(clock=clock))
+    reporters = {job: Reporter(job=job, worker="0", profiler=False, addr="127.0.0.1:9") for job in ("a", "b", "c")}
+    for r in reporters.values():
+        r.phase, r.batch_size = "train", 32
+    caches: dict = {TEXT: {}, OPENMETRICS: {}}
+
+    def report(*jobs: str) -> None:
+        for job in jobs:
+            r = reporters[job]
+            r.record(10, 320, 0.2)
+            data = r.report()
+            data["time"] = clock.wall
+            assert collector.receive(json.dumps(data).encode(), Sender(local=False, address="127.0.0.1"))
+
+    def scrape(advance: float) -> str:
+        clock.mono += advance
+        clock.wall += advance
+        collector.sample()
+        full = list(collector.collect())
+        for fmt in (TEXT, OPENMETRICS):
+            assert render(collector.collect(), fmt, caches[fmt]).decode() == render_library(full, fmt).decode(), fmt
+        return render_library(full, TEXT).decode()
+
+    try:
+        report("a", "b")
+        scrape(1)
+        report("a", "b")
+        text = scrape(1)
+        assert metric_value(text, "tfprofd_training_samples_per_second", training_job="b") == 320 / 1
+        report("a")
+        text = scrape(6)  # b went quiet: no rate, still up
+        assert metric_value(text, "tfprofd_training_samples_per_second", training_job="b") is None
+        assert metric_value(text, "tfprofd_training_up", training_job="b") == 1
+        report("a", "c")
+        text = scrape(30)  # b down, c new
+        assert metric_value(text, "tfprofd_training_up", training_job="b") == 0
+        assert metric_value(text, "tfprofd_training_up", training_job="c") == 1
+        report("b")
+        text = scrape(1)  # b is back, its counters go on
+        assert metric_value(text, "tfprofd_training_steps_total", training_job="b") == 30
+        text = scrape(200)  # all quiet past expire_after: every job's series gone
+        assert "training_job=" not in text
+    finally:
+        collector.close()
+
+
+def test_a_burst_of_polls_that_stopped_does_not_keep_the_agent_rendering():
+    """A script polling /metrics until the agent answers teaches the exposition a 0.1 s cadence; once the
+    polls stop, samples must stop rendering ahead of scrapes that will not come (CPU with nobody scraping)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from tfprofd.daemon.exposition import Exposition
+
+    now = [100.0]
+    exposition = Exposition(clock=lambda: now[0])
+    rendered = []
+
+    def collect():
+        rendered.append(now[0])
+        return [GaugeMetricFamily("tfprofd_test", "A gauge.", value=1)]
+
+    for _ in range(5):  # polled every 0.1 s
+        exposition.body(lambda fmt: [exposition.part("x", fmt, collect, 2.5)], "", "")
+        now[0] += 0.1
+    exposition.after_sample("x", collect, interval=1.0)
+    assert rendered[-1] == now[0]  # a poll may still come: rendered ahead
+    count = len(rendered)
+    for _ in range(30):  # nobody polls any more
+        now[0] += 1.0
+        exposition.after_sample("x", collect, interval=1.0)
+    assert len(rendered) - count <= 3  # the cadence lapsed after two periods and 2.5 intervals
+    exposition.body(lambda fmt: [exposition.part("x", fmt, collect, 2.5)], "", "")
+    assert rendered[-1] == now[0]  # a scrape that does come still gets a fresh rendering

@@ -40,6 +40,7 @@ CASES = {
     "no pod resources": ["--set", "podResources.enabled=false"],
     "server-mode captures": ["--set", "config.captures.mode=server"],
     "example alert routing": ["-f", str(CHART / "examples" / "alert-routing.yaml")],
+    "job-wide captures": [*ROUTING, "--set", "cluster.prometheusUrl=http://prometheus-operated.monitoring.svc:9090"],
 }
 
 
@@ -118,9 +119,12 @@ def test_the_rendered_pod_and_config_are_what_the_agent_accepts(helms, tmp_path,
         assert Path(cfg.collectors["kubernetes"].socket).parent == Path(socket_dir)
     else:
         assert security["runAsNonRoot"] and security["runAsUser"] == 65534
-    routed = ("--set" in CASES[case] and "alertRouting.enabled=true" in CASES[case]) or case == "example alert routing"
+    routed = "alertRouting.enabled=true" in CASES[case] or case == "example alert routing"
     assert bool(cfg.alerts.forward_networks) == routed
     assert (cfg.api.listen[0] == "0.0.0.0") == routed
+    # Job-wide captures: the agents find each other in Prometheus (and ask only inside forwardNetworks).
+    assert cfg.cluster.prometheus_url == ("http://prometheus-operated.monitoring.svc:9090"
+                                          if case == "job-wide captures" else "")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs the init step as root, as the kubelet would")
@@ -194,6 +198,7 @@ def test_network_policy_lets_hook_reports_and_the_control_api_in(helms):
      "needs api.token.existingSecret"),
     (["--set", "alertRouting.enabled=true", "--set", "api.token.existingSecret=t"], "needs alertRouting.forwardNet"),
     (["--set", "captureDir.hostPath=relative"], "hostPath"),
+    (["--set", "cluster.prometheusUrl=http://prometheus:9090"], "cluster.prometheusUrl needs alertRouting.enabled"),
 ])
 def test_values_that_cannot_work_fail_with_a_reason(helms, args, message):
     for binary in helms.values():

@@ -12,11 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tfprofd.daemon.analysis import CaptureAnalysis
+from tfprofd.daemon.analysis.onset import drop_time, onset, split_at_drop
 from tfprofd.daemon.captures import CaptureService
 from tfprofd.daemon.config import CaptureSettings
 from tfprofd.daemon.errors import BudgetSpent, CoolingDown
 from tfprofd.daemon.jobs import JobRegistry, Target
-from tfprofd.daemon.onset import drop_time, onset, split_at_drop
 from tfprofd.daemon.pending import key_of, on_transition
 from tfprofd.daemon.policy import CapturePolicy
 from tfprofd.daemon.protos import profiler_pb2, xplane_pb2
@@ -245,26 +246,30 @@ def test_the_split_finds_where_step_time_jumps():
     assert drop_time(list(enumerate([0.1] * 10))) is None
 
 
-def facts(cycle: float, begin_s: float, input_ms: float) -> dict:
-    parts = {p: 0.0 for p in ("input_wait", "host_to_device", "device_compute", "device_to_device",
-                              "device_collectives", "host_compute", "kernel_launch", "compile", "output", "other")}
-    parts.update(input_wait=input_ms, host_compute=cycle - input_ms)
-    return {"steps": 20, "cycle_ms": cycle, "step_time_ms": {"mean": cycle}, "breakdown_ms": parts, "ops": {},
-            "ratios": {}, "window": (int(begin_s * 1e9), int((begin_s + 2) * 1e9)), "bottleneck": "input",
-            "summary": "input: ...", "trace": f"/x/{begin_s}/h.xplane.pb"}
+def facts(cycle: float, begin_s: float, input_ms: float) -> CaptureAnalysis:
+    """A snapshot's analysis: steps of ``cycle`` ms, ``input_ms`` of each waiting for input."""
+    parts = {"input_wait": input_ms, "host_compute": cycle - input_ms}
+    return CaptureAnalysis.from_json({
+        "host": "h", "trace": f"/x/{begin_s}/h.xplane.pb", "bottleneck": "input", "why": "", "summary": "input: ...",
+        "recommendation": "", "steps": 20, "window": [int(begin_s * 1e9), int((begin_s + 2) * 1e9)],
+        "step_time_ms": {"mean": cycle, "stdev": 0, "min": cycle, "max": cycle}, "breakdown_ms": parts,
+        "breakdown": {k: v / cycle for k, v in parts.items()}, "input_bound_ratio": input_ms / cycle,
+        "cycle_ms": cycle, "between_ms": {}, "ratios": {}})
 
 
 def test_snapshots_that_hold_the_drop_compare_the_steps_before_with_the_steps_after():
-    lead, section = onset([facts(10, 100, 1), facts(10, 102, 1), facts(40, 104, 31), facts(41, 106, 32)], 103.5)
-    assert section["holds_drop"] and section["first_slow_step_after_drop_s"] == 0.0
-    assert section["drop_at"] == 104 and lead["cycle_ms"] == 41
-    assert section["comparison"]["step_ms"] == [10, 41, 31]
-    assert "+31.0 ms waiting for input" in section["comparison"]["summary"]
+    result = onset([facts(10, 100, 1), facts(10, 102, 1), facts(40, 104, 31), facts(41, 106, 32)], 103.5)
+    section = result.onset
+    assert section.holds_drop and section.first_slow_step_after_drop_s == 0.0
+    assert section.drop_at == 104 and result.lead.cycle_ms == 41 and section.trace_begins_at == 100
+    assert section.comparison.step_ms == (10, 41, 31)
+    assert "+31.0 ms waiting for input" in section.comparison.summary and "holds the drop" in result.summary
+    assert CaptureAnalysis.from_json(result.to_json()).onset == section  # stored in the record and read back
 
 
 def test_a_trace_that_begins_after_the_drop_says_how_long_after():
-    _, section = onset([facts(40, 110, 31), facts(41, 112, 32)], 103.0)
-    assert not section["holds_drop"] and section["first_slow_step_after_drop_s"] == pytest.approx(7.0)
+    section = onset([facts(40, 110, 31), facts(41, 112, 32)], 103.0).onset
+    assert not section.holds_drop and section.first_slow_step_after_drop_s == pytest.approx(7.0)
 
 
 def test_capture_on_pending_is_set_by_yaml_env_or_flag_and_validated(tmp_path):

@@ -188,3 +188,22 @@ def test_times_are_the_sample_clock_not_the_wall_clock():
     assert e.fired == []
     e.observe("nvml", base + 30, {"gpu_utilization": [({"gpu": "0"}, 0.1)]})
     assert e.fired
+
+
+def test_firing_for_follows_each_job_through_firing_resolving_going_and_rule_removal():
+    # firing_for decides whether a job is steady enough for its baseline capture, once per job per sample
+    rule = Rule("drop", "", (Condition("samples_per_second", below=50),), for_seconds=0)
+    e = Scripted(rule)
+
+    def rate(t: float, **values: float) -> None:
+        e.observe("training", t, {"samples_per_second": [({"training_job": job, "worker": "0"}, v)
+                                                         for job, v in values.items()]})
+
+    rate(0, a=10.0, b=100.0)
+    assert e.engine.firing_for("a") and not e.engine.firing_for("b")
+    rate(1, a=100.0, b=10.0)  # a cleared, b fires
+    assert not e.engine.firing_for("a") and e.engine.firing_for("b")
+    rate(2, a=10.0)  # b's series is gone: resolved
+    assert e.engine.firing_for("a") and not e.engine.firing_for("b")
+    e.engine.set_rules([])
+    assert not e.engine.firing_for("a")

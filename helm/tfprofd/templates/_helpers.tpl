@@ -63,6 +63,9 @@ capability) only when it must reach the kubelet's root-owned PodResources socket
 {{- fail (printf "podLabels.%s: the chart's selector sets this label; choose another key" $key) -}}
 {{- end -}}
 {{- end -}}
+{{- if and .Values.cluster.prometheusUrl (not .Values.alertRouting.enabled) -}}
+{{- fail "cluster.prometheusUrl needs alertRouting.enabled: the agents ask each other with the shared token" -}}
+{{- end -}}
 {{- if .Values.alertRouting.enabled -}}
 {{- if not .Values.api.token.existingSecret -}}
 {{- fail "alertRouting.enabled needs api.token.existingSecret: every agent must share one token" -}}

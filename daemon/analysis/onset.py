@@ -1,14 +1,12 @@
 """The onset of a drop: where step time jumps, and the steps before it against the steps after.
 
 ``split_at_drop`` is a pure function on a sequence of step (or cycle) times; ``drop_time`` applies it to a
-signal's samples. Run as a worker (``python -m tfprofd.daemon.onset CAPTURE_DIR --json``) it analyses a
-capture taken on pending: each snapshot of a ring (one run directory each, in time order) or the one
-trace of a capture started at pending, splits the snapshots at the drop, compares the last one before
-with the slowest one after (the baseline comparison's ``compare``), and says how long after the drop the
-trace begins, or that it holds the drop itself.
-
-Note: the split works on per-snapshot step times because the analysis module does not expose per-step
-rows yet (a refactor into a package is under way); the function itself takes any time series.
+signal's samples (the agent's estimate of when a job's steps slowed). Run as a worker (``python -m
+tfprofd.daemon.analysis.onset CAPTURE_DIR --json``) it analyses a capture taken on pending: each snapshot of
+a ring (one run directory each, in time order) or the one trace of a capture started at pending, splits
+the snapshots where the step time jumps, compares the last one before with the slowest one after (the
+baseline comparison's ``compare``), and says how long after the drop the trace begins, or that it holds
+the drop itself. The split is per snapshot (a few seconds each).
 """
 
 from __future__ import annotations
@@ -18,8 +16,11 @@ import json
 import statistics
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+
+from .compare import compare
+from .model import CaptureAnalysis, Onset, OnsetWindow
 
 DROP_RATIO = 1.5  # a step this much slower than the median of the steps before it starts a drop
 
@@ -50,38 +51,36 @@ def run_dirs(capture_dir: Path) -> list[Path]:
     return sorted({p.parent for p in capture_dir.glob("plugins/profile/*/*.xplane.pb")})
 
 
-def onset(windows: list[dict[str, Any]], drop_at: float | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the facts that lead the record, the onset section) from the analysed snapshots in time order.
-    ``drop_at``: the agent's estimate of the drop (Unix s, from the hook's step times), if it has one."""
-    from .analysis import compare
-
-    timed = [w for w in windows if w.get("steps") and w.get("cycle_ms")]
+def onset(windows: list[CaptureAnalysis], drop_at: float | None) -> CaptureAnalysis:
+    """The capture's analysis from its analysed snapshots in time order: the slowest snapshot after the drop leads,
+    with where the trace stands against the drop. ``drop_at``: the agent's estimate (Unix s), if it has one."""
+    seen = tuple(OnsetWindow(Path(w.trace).parent.name, w.lead.window, w.steps, w.lead.cycle_ms, w.bottleneck)
+                 for w in windows)
+    timed = [w for w in windows if w.steps and w.lead.cycle_ms]
     if not timed:
-        return windows[-1], {"snapshots": len(windows), "holds_drop": False, "drop_at": drop_at}
-    split = split_at_drop([w["cycle_ms"] for w in timed])
-    first = timed[0].get("window")
+        return replace(windows[-1], onset=Onset(len(windows), False, drop_at=drop_at, windows=seen))
+    split = split_at_drop([w.lead.cycle_ms or 0.0 for w in timed])
+    first = timed[0].lead.window
     begins = first[0] / 1e9 if first else None
-    out: dict[str, Any] = {"snapshots": len(windows), "trace_begins_at": begins, "holds_drop": bool(split)}
     if split:  # the trace holds steps from before the drop
-        before, after = timed[split - 1], max(timed[split:], key=lambda w: w["cycle_ms"])
-        window = timed[split].get("window")
-        out["drop_at"] = window[0] / 1e9 if window else drop_at  # within a snapshot of the split
-        out["first_slow_step_after_drop_s"] = 0.0
-        out["comparison"] = compare(before, after)
-        if out["comparison"]:
-            out["summary"] = f"at the drop: {out['comparison']['summary']}"
-        return after, out
-    lead = max(timed, key=lambda w: w["cycle_ms"])
-    out["drop_at"] = drop_at
-    if drop_at is not None and begins is not None:
-        out["first_slow_step_after_drop_s"] = max(0.0, begins - drop_at)
-        out["summary"] = f"the trace begins {max(0.0, begins - drop_at):.1f} s after the drop"
-    return lead, out
+        before, after = timed[split - 1], max(timed[split:], key=lambda w: w.lead.cycle_ms or 0.0)
+        window = timed[split].lead.window
+        comparison = compare(before, after)
+        summary = f"the trace holds the drop: {comparison.summary}" if comparison else "the trace holds the drop"
+        section = Onset(len(windows), True, begins, window[0] / 1e9 if window else drop_at, 0.0, summary,
+                        comparison, seen)
+        return replace(after, onset=section, summary=f"{after.summary}; {summary}")
+    lead = max(timed, key=lambda w: w.lead.cycle_ms or 0.0)
+    after_s = max(0.0, begins - drop_at) if drop_at is not None and begins is not None else None
+    summary = f"the trace begins {after_s:.1f} s after the drop" if after_s is not None else None
+    section = Onset(len(windows), False, begins, drop_at, after_s, summary, None, seen)
+    return replace(lead, onset=section, summary=f"{lead.summary}; {summary}" if summary else lead.summary)
 
 
-def analyse(capture_dir: Path, drop_at: float | None) -> dict[str, Any]:
+def analyse(capture_dir: Path, drop_at: float | None) -> CaptureAnalysis:
     """Analyse every snapshot of a capture taken on pending; raises AnalysisError if none can be read."""
-    from .analysis import AnalysisError, analyze
+    from .capture import analyze
+    from .xprof import AnalysisError
 
     windows, errors = [], []
     for run in run_dirs(capture_dir):
@@ -91,20 +90,12 @@ def analyse(capture_dir: Path, drop_at: float | None) -> dict[str, Any]:
             errors.append(f"{run.name}: {exc}")
     if not windows:
         raise AnalysisError("; ".join(errors) or f"no .xplane.pb under {capture_dir}")
-    lead, section = onset(windows, drop_at)
-    section["windows"] = [{"run": Path(w["trace"]).parent.name, "window": w.get("window"), "steps": w.get("steps"),
-                           "cycle_ms": w.get("cycle_ms"), "bottleneck": w.get("bottleneck")} for w in windows]
-    if errors:
-        section["unreadable"] = errors
-    result = {**lead, "onset": section}
-    if section.get("summary"):
-        result["summary"] = f"{lead['summary']}; {section['summary']}"
-    return result
+    return onset(windows, drop_at)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .analysis import AnalysisError, quiet, write_viewer_cache
-    from .workers import die_with_parent
+    from ..workers import die_with_parent
+    from .xprof import AnalysisError, quiet, write_viewer_cache
 
     die_with_parent()
     parser = argparse.ArgumentParser(prog="tfprofd-onset")
@@ -121,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     except (AnalysisError, OSError) as exc:
         print(json.dumps({"error": str(exc)}))
         return 1
-    print(json.dumps(result))
+    print(json.dumps(result.to_json()), flush=True)
     return 0
 
 

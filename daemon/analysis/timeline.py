@@ -1,0 +1,311 @@
+"""Reading a trace into a timeline, on its own clock: the capture's span, the steps (found here, from the
+step markers), the time between them, how busy the framework's ops keep a CPU within the steps, the ops
+tf.data runs, and on each GPU its device ops (with the kernels each launched) and memory copies.
+
+Steps are found in one place, ``find_steps``: every source of steps (host step markers, the device's own
+``Steps`` line, repeated executions of one tf.function) is a function of the events gathered in ``Events``:
+
+- host step markers: any host event with a ``step_num`` stat. tfprofd's hook, tf_keras's fit and custom loops
+  mark steps ``Trace("train", step_num=n, _r=1)``; Keras 3's ``TensorBoard(profile_batch=...)`` marks them
+  ``Trace("Profiled batch", step_num=n)`` without ``_r=1`` (xprof is handed a copy with it added). Training steps
+  per marker: its ``steps`` stat (the hook's) where it has one; else, where the steps run in a TF while loop
+  (``steps_per_execution > 1``), the input iterator's calls inside the marker;
+- the busiest GPU's ``Steps`` line;
+- no markers at all: the executions of the tf.function the Python thread runs most time in (a custom loop's
+  ``train_step``), each one step; such steps are *inferred*, and said to be.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+Interval = tuple[int, int]  # picoseconds on the trace's clock
+
+
+@dataclass
+class DeviceOpTimes:
+    """A device op type's time in the capture (replicas merged), its ops, and the kernels they launched."""
+
+    name: str
+    ms: float = 0.0
+    kernels: dict[str, float] = field(default_factory=dict)
+    ops: set[str] = field(default_factory=set)
+
+
+@dataclass
+class DeviceEvents:
+    """One GPU plane: its ``Steps`` line, its kernels and its memory copies."""
+
+    name: str  # "GPU:4"
+    steps: list[Interval] = field(default_factory=list)
+    kernels: list[Interval] = field(default_factory=list)
+    copies_ms: dict[str, float] = field(default_factory=dict)
+
+
+COPY_KINDS = {"H2D": ("H2D", "HtoD"), "D2H": ("D2H", "DtoH"), "D2D": ("D2D", "DtoD"), "P2P": ("P2P", "PtoP")}
+ITERATOR_CALLS = ("IteratorGetNextOp::DoCompute", "IteratorGetNextAsOptionalOp::DoCompute")  # one per batch fetched
+MIN_CALLS = 3  # a tf.function executed this often in the capture can be the training step
+LAUNCH_THREADS = ("tf_Compute", "tf_numa", "tf_inter_op", "tf_gpu")  # host threads that run ops and launch kernels
+
+
+def copy_kind(*names: str) -> str | None:
+    """The kind of memory copy the first name that tells says (``MemcpyDtoD`` and ``MemcpyD2D`` alike)."""
+    for name in names:
+        for kind, spellings in COPY_KINDS.items():
+            if any(s in name for s in spellings):
+                return kind
+    return None
+
+
+@dataclass
+class Events:
+    """What ``read_events`` gathers from a trace for finding steps and measuring them."""
+
+    low: int | None = None
+    high: int | None = None
+    host_steps: list[Interval] = field(default_factory=list)  # host step markers
+    marker_steps: list[int] = field(default_factory=list)  # training steps each marker covers (``steps`` stat)
+    loops: bool = False  # a TF while loop ran (executor events with an iteration number above 0)
+    window: Interval | None = None  # the profiling session's (start, stop) in Unix ns (Task Environment plane)
+    fetches: list[Interval] = field(default_factory=list)  # the stepping thread waiting on the input iterator
+    device_steps: dict[str, list[Interval]] = field(default_factory=dict)  # each GPU's ``Steps`` line
+    ops: list[Interval] = field(default_factory=list)  # TF ops on the host's compute threads
+    input_ops: set[str] = field(default_factory=set)
+    device_ops: dict[str, DeviceOpTimes] = field(default_factory=dict)
+    copies_ms: dict[str, float] = field(default_factory=dict)
+    devices: dict[str, DeviceEvents] = field(default_factory=dict)  # every GPU plane, by name ("GPU:4")
+    threads: dict[str, list[Interval]] = field(default_factory=dict)  # the host's launch threads' events
+    marker_names: set[str] = field(default_factory=set)  # the host step markers' names
+    unrooted: bool = False  # some step marker lacks ``_r=1`` (Keras 3's "Profiled batch")
+    iterator_calls: list[Interval] = field(default_factory=list)  # the input iterator's get-next calls, any thread
+    functions: dict[str, list[Interval]] = field(default_factory=dict)  # tf.function calls from Python, by name
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The steps a trace shows: their intervals, and how many training steps each holds."""
+
+    markers: list[Interval]
+    per_marker: float = 1.0  # steps_per_execution: training steps per marker
+    source: str = "none"  # "host markers", "device steps", "inferred" or "none"
+    found: str = ""  # how they were found, in words
+    unrooted: bool = False  # markers xprof ignores unless given ``_r=1``
+    function: str | None = None  # inferred steps: the tf.function whose executions they are
+
+    @property
+    def on_host(self) -> bool:
+        return self.source in ("host markers", "inferred")
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What the trace itself shows (see the module's docstring)."""
+
+    capture_s: float = 0.0
+    steps: Steps = field(default_factory=lambda: Steps([]))
+    loops: bool = False
+    window: Interval | None = None
+    between_steps_input: float = 0.0  # of the time between steps, the stepping thread fetching the next batch
+    input_wait_ms: float | None = None  # per step, the input iterator's calls inside the steps (waiting for input)
+    ops_busy: float | None = None  # of the steps, the framework's ops running on a CPU
+    input_ops: frozenset[str] = frozenset()
+    device_ops: dict[str, DeviceOpTimes] = field(default_factory=dict)
+    copies_ms: dict[str, float] = field(default_factory=dict)
+    devices: tuple[DeviceEvents, ...] = ()  # every GPU plane, in the trace's order
+    threads: dict[str, list[Interval]] = field(default_factory=dict)  # host launch threads, merged
+    error: str | None = None  # why the timeline could not be read (xprof's facts still stand)
+
+    @property
+    def markers(self) -> list[Interval]:
+        return self.steps.markers
+
+
+def read_events(trace: Path) -> Events:
+    """Gather the events that matter from the trace's planes."""
+    from ..protos import xplane_pb2
+
+    space = xplane_pb2.XSpace.FromString(trace.read_bytes())
+    ev = Events()
+    for plane in space.planes:
+        names = {i: m.name for i, m in plane.event_metadata.items()}
+        stat_names = {i: m.name for i, m in plane.stat_metadata.items()}
+        step_stats = {i for i, name in stat_names.items() if name == "step_num"}
+        count_stat = next((i for i, name in stat_names.items() if name == "steps"), None)
+        loop_stat = next((i for i, name in stat_names.items() if name == "iter_num"), None)
+        root_stat = next((i for i, name in stat_names.items() if name == "_r"), None)
+        function_stat = next((i for i, name in stat_names.items() if name == "tf_function_call"), None)
+        if plane.name == "Task Environment":
+            stats = {stat_names.get(st.metadata_id): st.int64_value or st.uint64_value for st in plane.stats}
+            if stats.get("profile_start_time") and stats.get("profile_stop_time"):
+                ev.window = (stats["profile_start_time"], stats["profile_stop_time"])
+        host = plane.name.startswith("/host")
+        device = None
+        if plane.name.startswith("/device:GPU:"):
+            device = ev.devices.setdefault(plane.name, DeviceEvents(plane.name.removeprefix("/device:")))
+        plane_ops: list[tuple[int, int, str]] = []
+        kernels: list[tuple[int, int, str]] = []
+        for line in plane.lines:
+            base = line.timestamp_ns * 1000
+            compute_thread = host and line.name.startswith(LAUNCH_THREADS)
+            data_thread = host and line.name.startswith("tf_data")
+            thread = ev.threads.setdefault(line.name, []) if compute_thread else None
+            copy_line = "Memcpy" in line.name and "Compute" not in line.name
+            for event in line.events:
+                start = base + event.offset_ps
+                end = start + event.duration_ps
+                ev.low = start if ev.low is None else min(ev.low, start)
+                ev.high = end if ev.high is None else max(ev.high, end)
+                name = names.get(event.metadata_id, "")
+                if thread is not None:
+                    thread.append((start, end))
+                if host:
+                    if name in ITERATOR_CALLS:
+                        ev.iterator_calls.append((start, end))
+                    if step_stats and any(st.metadata_id in step_stats for st in event.stats):
+                        ev.host_steps.append((start, end))
+                        ev.marker_steps.append(next((st.int64_value or st.uint64_value for st in event.stats
+                                                     if st.metadata_id == count_stat), 0))
+                        ev.marker_names.add(name)
+                        ev.unrooted |= not any(st.metadata_id == root_stat for st in event.stats)
+                    elif function_stat is not None and any(st.metadata_id == function_stat for st in event.stats):
+                        ev.functions.setdefault(name, []).append((start, end))
+                    elif loop_stat is not None and not ev.loops and any(
+                            st.metadata_id == loop_stat and (st.int64_value or st.uint64_value) > 0
+                            for st in event.stats):
+                        ev.loops = True
+                    elif "IteratorGetNext" in name and not compute_thread and not data_thread:
+                        ev.fetches.append((start, end))
+                    elif compute_thread and ":" in name:
+                        ev.ops.append((start, end))  # TF ops are named "name:Type"; executor bookkeeping is not
+                    elif data_thread and name and not name.startswith(("Iterator::", "Threadpool", "Executor")):
+                        ev.input_ops.add(name.split(":")[0])
+                elif line.name == "Steps":
+                    ev.device_steps.setdefault(plane.name, []).append((start, end))
+                    if device is not None:
+                        device.steps.append((start, end))
+                elif line.name == "TensorFlow Ops":
+                    plane_ops.append((start, end, name))
+                elif name.startswith("Memcpy") or copy_line:
+                    # the event's own name first: one stream's line may carry several kinds of copy
+                    kind = copy_kind(name, line.name) or "other"
+                    ms = event.duration_ps / 1e9
+                    ev.copies_ms[kind] = ev.copies_ms.get(kind, 0.0) + ms
+                    if device is not None:
+                        device.copies_ms[kind] = device.copies_ms.get(kind, 0.0) + ms
+                elif line.name.startswith("Stream"):
+                    kernels.append((start, end, name))
+                    if device is not None:
+                        device.kernels.append((start, end))
+        _attach_kernels(sorted(plane_ops), kernels, ev.device_ops)
+    return ev
+
+
+def find_steps(ev: Events) -> Steps:
+    """The steps: the host's step markers, else the busiest device's own ``Steps`` line, else the executions
+    of the tf.function the Python thread spends most time in (see the module's docstring)."""
+    if ev.host_steps:
+        markers = merge(ev.host_steps)
+        names = ", ".join(f"'{n}'" for n in sorted(ev.marker_names))
+        found = f"step markers ({names}" + (", without _r=1)" if ev.unrooted else ")")
+        per_marker, counted = _steps_per_marker(ev, markers)
+        if counted:
+            found += f"; {per_marker:.0f} steps per marker, counted from the input iterator's calls in the while loop"
+        return Steps(markers, per_marker, "host markers", found, ev.unrooted)
+    device = max(ev.device_steps.values(), key=len, default=[])
+    if device:
+        return Steps(merge(device), 1.0, "device steps", "the GPU's own steps line")
+    calls = {name: spans for name, spans in ev.functions.items() if len(spans) >= MIN_CALLS}
+    if calls:
+        name = max(calls, key=lambda n: sum(b - a for a, b in calls[n]))
+        return Steps(merge(calls[name]), 1.0, "inferred",
+                     f"inferred: no step markers; each of the {len(calls[name])} executions of tf.function '{name}' "
+                     "taken for a step", function=name)
+    return Steps([], 1.0, "none", "no step markers, no device steps, no repeated tf.function")
+
+
+def _steps_per_marker(ev: Events, markers: list[Interval]) -> tuple[float, bool]:
+    """Training steps per merged marker, and whether they were counted from the iterator's calls: the markers'
+    ``steps`` stat where any has one; else, where a while loop ran, the iterator's calls in each marker."""
+    if any(ev.marker_steps):
+        stated = [0] * len(markers)
+        for (start, _), steps in zip(ev.host_steps, ev.marker_steps, strict=True):
+            i = bisect.bisect_right(markers, (start, float("inf"))) - 1
+            stated[i] = max(stated[i], steps)
+        return statistics.fmean(s or 1 for s in stated), False
+    if not ev.loops or not ev.iterator_calls:
+        return 1.0, False
+    starts = sorted(a for a, _ in ev.iterator_calls)
+    counts = [bisect.bisect_left(starts, b) - bisect.bisect_left(starts, a) for a, b in markers]
+    if statistics.median(counts) <= 1:
+        return 1.0, False
+    return statistics.fmean(max(1, c) for c in counts), True
+
+
+def timeline(trace: Path) -> Timeline:
+    """Read the trace into a timeline (raises whatever reading the protobuf raises)."""
+    ev = read_events(trace)
+    steps = find_steps(ev)
+    markers = steps.markers
+    gaps = [(a[1], b[0]) for a, b in itertools.pairwise(markers) if b[0] > a[1]]
+    host_marked = steps.on_host
+    calls = merge(ev.iterator_calls)
+    stepped = len(markers) * steps.per_marker
+    return Timeline(
+        capture_s=(ev.high - ev.low) / 1e12 if ev.low is not None and ev.high is not None else 0.0, steps=steps,
+        loops=ev.loops and host_marked, window=ev.window,
+        between_steps_input=covered(merge(ev.fetches), gaps) if gaps and ev.fetches else 0.0,
+        input_wait_ms=covered(calls, markers) * sum(b - a for a, b in markers) / 1e9 / stepped
+        if markers and calls else None,
+        ops_busy=covered(merge(ev.ops), markers) if host_marked and ev.ops else None,
+        input_ops=frozenset(ev.input_ops), device_ops=ev.device_ops, copies_ms=ev.copies_ms,
+        devices=tuple(ev.devices.values()), threads={name: merge(spans) for name, spans in ev.threads.items() if spans})
+
+
+def _attach_kernels(plane_ops: list[tuple[int, int, str]], kernels: list[tuple[int, int, str]],
+                    device_ops: dict[str, DeviceOpTimes]) -> None:
+    """Add a device plane's TF ops (replicas merged) and each kernel to the op whose span holds its start."""
+    starts = [o[0] for o in plane_ops]
+    for start, end, name in plane_ops:
+        kind = op_type(name)
+        op = device_ops.setdefault(kind, DeviceOpTimes(kind))
+        op.ms += (end - start) / 1e9
+        op.ops.add(name.split("/", 1)[-1] if name.startswith("replica_") else name)
+    for start, end, kernel in kernels:
+        i = bisect.bisect_right(starts, start) - 1
+        if i >= 0 and plane_ops[i][1] >= start:
+            op = device_ops[op_type(plane_ops[i][2])]
+            op.kernels[kernel] = op.kernels.get(kernel, 0.0) + (end - start) / 1e9
+
+
+def op_type(name: str) -> str:
+    """The TF op type of a device op event (``replica_4/bert/.../einsum/Einsum:Einsum`` → ``Einsum``)."""
+    return name.rpartition(":")[2] or name
+
+
+def merge(intervals: list[Interval]) -> list[Interval]:
+    """The intervals merged where they overlap, sorted."""
+    merged: list[list[int]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def covered(busy: list[Interval], windows: list[Interval]) -> float:
+    """Share of the windows' time that the busy intervals cover (both merged and sorted)."""
+    total = sum(b - a for a, b in windows)
+    done, i = 0, 0
+    for start, end in windows:
+        while i < len(busy) and busy[i][1] <= start:
+            i += 1
+        j = i
+        while j < len(busy) and busy[j][0] < end:
+            done += min(end, busy[j][1]) - max(start, busy[j][0])
+            j += 1
+    return done / total if total else 0.0

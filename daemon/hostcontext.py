@@ -1,0 +1,592 @@
+"""What the host was doing while a capture traced the job, and whether other processes starved it.
+
+Every capture the agent makes gets a ``HostContext``, measured over the capture window (from just before the
+capture worker starts to just after it returns) at the window's two edges, from procfs:
+
+- ``/proc/stat``: CPU time by mode: busy cores, iowait, steal.
+- ``/proc/pressure/{cpu,io,memory}``: PSI "some": the share of the window in which some task waited.
+- every process's ``/proc/<pid>/stat``: CPU time and parent, so the job's processes (the pids its hook
+  reports, and their children) and tfprofd's own (the agent and its workers) are told apart from the rest.
+- the job's threads' ``/proc/<pid>/task/<tid>/schedstat``: the time each ran and the time it waited on a run
+  queue, ready to run but with no CPU free.
+
+The sampler's snapshots over the window add what it samples anyway (GPU utilization, memory in use), and its
+CPU samples of the 30 s before the capture was asked for say how busy the host was when the rule fired.
+
+Contention: the job's threads were ready to run on ``wanted`` CPUs on average (run + run-queue wait over the
+window, at most the host's CPUs) and ran on ``got``; what they lost (``wanted - got``, no more than what other
+processes used) is the CPU other processes took from the job. ``host_contention`` is named when that loss is at
+least a quarter of what the job wanted and a fifth of a CPU, and it becomes the capture's cause where CPU
+starvation explains the trace's verdict (see ``join``). The trace analysis stays pure: the join happens here,
+on its result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import threading
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
+
+from tfprofd.exporter.base import Clock, HostPaths, parse_pressure
+
+from .analysis.model import CaptureAnalysis, HostVerdict
+
+if TYPE_CHECKING:
+    from .jobs import JobRegistry
+    from .sampler import Snapshot
+
+log = logging.getLogger("tfprofd.hostcontext")
+
+LOST_SHARE = 0.25  # the job lost at least this share of the CPU it was ready to use...
+LOST_CORES = 0.2  # ...and at least this much CPU
+MIN_WANTED = 0.1  # a job ready to run on less CPU than this was idle: nothing to starve
+BEFORE_SECONDS = 30.0  # the host's load this long before the capture was asked for
+SAMPLED = ("cpu", "memory", "nvml")  # collectors whose signals over the window go in the record
+PSI = ("cpu", "io", "memory")
+TOP_OTHERS = 3
+CONTENTION_RECOMMENDATION = (
+    "Other processes take the CPUs the job is ready to use: move them off this host, give the job CPUs of its "
+    "own (a Kubernetes Guaranteed pod with integer CPU requests and the static CPU manager policy, or a cpuset), "
+    "or run the other work at a lower weight (nice, systemd CPUWeight=). Then capture again to see the job's "
+    "own bottleneck.")
+
+
+# ---- parsing procfs (pure) ----
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """/proc/stat's aggregate ``cpu`` line, in clock ticks."""
+
+    busy: int
+    idle: int
+    iowait: int
+    steal: int
+
+    @property
+    def total(self) -> int:
+        return self.busy + self.idle + self.iowait + self.steal
+
+
+def parse_proc_stat(text: str) -> tuple[CpuTimes, int]:
+    """(the aggregate CPU times, the number of CPUs) from /proc/stat. Guest time is inside user, as there."""
+    times, cpus = None, 0
+    for line in text.splitlines():
+        name, _, rest = line.partition(" ")
+        if name == "cpu":
+            v = [int(x) for x in rest.split()[:8]] + [0] * 8
+            user, nice, system, idle, iowait, irq, softirq, steal = v[:8]
+            times = CpuTimes(user + nice + system + irq + softirq, idle, iowait, steal)
+        elif name.startswith("cpu") and name[3:].isdigit():
+            cpus += 1
+    if times is None or cpus == 0:
+        raise ValueError("no cpu lines in /proc/stat")
+    return times, cpus
+
+
+@dataclass(frozen=True)
+class PidStat:
+    """What one process's /proc/<pid>/stat says: its name, parent and CPU time in ticks (user + system, its
+    own and that of its children it waited for: a capture worker that ended counts in the agent's)."""
+
+    pid: int
+    comm: str
+    ppid: int
+    ticks: int
+
+
+def parse_pid_stat(text: str) -> PidStat:
+    """A /proc/<pid>/stat line; the name (in parentheses) may hold spaces and parentheses itself."""
+    head, _, tail = text.rpartition(")")
+    pid, _, comm = head.partition(" (")
+    rest = tail.split()
+    if len(rest) < 15:
+        raise ValueError(f"short /proc/<pid>/stat: {text[:80]!r}")
+    return PidStat(int(pid), comm, int(rest[1]), sum(int(v) for v in rest[11:15]))
+
+
+def parse_schedstat(text: str) -> tuple[int, int]:
+    """(ns run on a CPU, ns waited on a run queue) from /proc/<pid>/task/<tid>/schedstat."""
+    run, wait, *_ = (int(v) for v in text.split())
+    return run, wait
+
+
+def descendants(parents: Mapping[int, int], roots: Iterable[int]) -> set[int]:
+    """The roots that exist and every process below them, from {pid: parent pid}."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    out: set[int] = set()
+    todo = [r for r in roots if r in parents]
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.add(pid)
+            todo.extend(children.get(pid, ()))
+    return out
+
+
+def listening_inodes(net_tcp_texts: Iterable[str], port: int) -> set[int]:
+    """Socket inodes in LISTEN state on ``port`` from /proc/net/tcp and tcp6."""
+    inodes = set()
+    for text in net_tcp_texts:
+        for line in text.splitlines()[1:]:
+            parts = line.split()
+            if len(parts) >= 10 and parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(int(parts[9]))
+    return inodes
+
+
+# ---- the record's model ----
+
+@dataclass(frozen=True)
+class SeriesSummary:
+    """One sampled series over the window: a GPU's utilization, the memory in use, the CPUs' busy share."""
+
+    signal: str
+    labels: dict[str, str]
+    mean: float
+    min: float
+    max: float
+    samples: int
+
+
+@dataclass(frozen=True)
+class OtherProcess:
+    """One of the other processes that used the most CPU in the window."""
+
+    pid: int
+    name: str
+    cores: float
+
+
+@dataclass(frozen=True)
+class HostLoad:
+    """The host's CPUs as the sampler saw them over the seconds before the capture was asked for."""
+
+    seconds: float
+    cpu_busy: float
+    cpu_iowait: float
+
+
+@dataclass(frozen=True)
+class Contention:
+    """Other processes starved the job: the CPU it was ready to use, what it got, and who took the rest."""
+
+    wanted_cores: float
+    got_cores: float
+    lost_share: float
+    why: str
+
+
+@dataclass(frozen=True)
+class HostContext:
+    """What the host was doing over a capture window. Cores are averages over the window; shares are of it."""
+
+    seconds: float
+    cpus: int | None = None
+    busy_cores: float | None = None
+    steal_cores: float | None = None
+    iowait_share: float | None = None
+    psi_some: dict[str, float] = field(default_factory=dict)  # resource -> share of the window
+    job_cores: float | None = None
+    job_wait_cores: float | None = None  # threads ready to run but on a run queue, on average
+    job_processes: int = 0
+    job_threads: int = 0
+    tfprofd_cores: float | None = None  # the agent and its capture/analysis workers
+    other_cores: float | None = None  # everything else: busy - job - tfprofd
+    top_others: list[OtherProcess] = field(default_factory=list)
+    sampled: list[SeriesSummary] = field(default_factory=list)
+    before: HostLoad | None = None
+    contention: Contention | None = None
+    note: str | None = None  # what could not be measured, and why
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> HostContext:
+        """A host context from its JSON; raises ValueError naming what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("host context: expected an object")
+        try:
+            values = dict(data)
+            values["top_others"] = [OtherProcess(**o) for o in data.get("top_others", [])]
+            values["sampled"] = [SeriesSummary(**s) for s in data.get("sampled", [])]
+            for name, kind in (("before", HostLoad), ("contention", Contention)):
+                if data.get(name) is not None:
+                    values[name] = kind(**data[name])
+            context = cls(**values)
+        except TypeError as exc:
+            raise ValueError(f"host context: {exc}") from None
+        for f in fields(cls):
+            value = getattr(context, f.name)
+            if f.name in ("seconds", "cpus", "busy_cores", "steal_cores", "iowait_share", "job_cores",
+                          "job_wait_cores", "job_processes", "job_threads", "tfprofd_cores", "other_cores"):
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                    raise ValueError(f"host context: {f.name} is not a number")
+        if not isinstance(context.psi_some, dict) or not all(isinstance(v, (int, float))
+                                                              for v in context.psi_some.values()):
+            raise ValueError("host context: psi_some holds a value that is not a number")
+        return context
+
+    def lines(self) -> list[str]:
+        """The context for people, a few lines."""
+        if self.cpus is None:
+            return [f"host: {self.note or 'not measured'}"]
+        psi = ", ".join(f"{r} {s:.0%}" for r, s in sorted(self.psi_some.items()))
+        out = [f"host over the {self.seconds:.1f} s capture window: {self.busy_cores:.1f} of {self.cpus} CPUs busy"
+               + (f", iowait {self.iowait_share:.0%}" if self.iowait_share else "")
+               + (f"; waiting (PSI some): {psi}" if psi else "")]
+        if self.job_cores is not None:
+            out.append(f"  the job {self.job_cores:.2f} CPUs ({self.job_processes} processes, {self.job_threads} "
+                       f"threads), tfprofd {self.tfprofd_cores:.2f}, other processes {self.other_cores:.2f}"
+                       + (": " + ", ".join(f"{o.name} (pid {o.pid}) {o.cores:.2f}" for o in self.top_others)
+                          if self.top_others else ""))
+        if self.before is not None:
+            out.append(f"  before the capture ({self.before.seconds:.0f} s): CPUs {self.before.cpu_busy:.0%} busy, "
+                       f"iowait {self.before.cpu_iowait:.0%}")
+        out += [f"  {s.signal}{_labels(s.labels)}: mean {s.mean:.2f} (min {s.min:.2f}, max {s.max:.2f})"
+                for s in self.sampled if s.signal.startswith(("gpu", "sm_"))]
+        if self.contention is not None:
+            out.append(f"  contended: {self.contention.why}")
+        if self.note:
+            out.append(f"  note: {self.note}")
+        return out
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else ""
+
+
+# ---- one edge of the window ----
+
+@dataclass(frozen=True)
+class Edge:
+    """Everything read at one edge of the window."""
+
+    monotonic: float
+    cpu: CpuTimes
+    cpus: int
+    psi: dict[str, float]  # resource -> cumulative "some" seconds
+    processes: dict[int, PidStat]
+    tasks: dict[int, tuple[int, int]]  # the job's threads: tid -> (run ns, wait ns)
+    job: frozenset[int]
+    tfprofd: frozenset[int]
+
+
+def read_edge(paths: HostPaths, roots: Iterable[int], agent_pid: int | None, now: float) -> Edge:
+    """Read one edge; raises ValueError when /proc/stat cannot be read."""
+    text = paths.read_proc("stat")
+    if text is None:
+        raise ValueError(f"cannot read {paths.procfs}/stat")
+    cpu, cpus = parse_proc_stat(text)
+    psi = {}
+    for resource in PSI:
+        some = parse_pressure(paths.read_proc(f"pressure/{resource}") or "").get("some")
+        if some is not None:
+            psi[resource] = some
+    processes: dict[int, PidStat] = {}
+    try:
+        names = [n for n in os.listdir(paths.procfs) if n.isdigit()]
+    except OSError:
+        names = []
+    for name in names:
+        stat = paths.read_proc(f"{name}/stat")
+        if stat:
+            try:
+                processes[int(name)] = parse_pid_stat(stat)
+            except ValueError:
+                continue
+    parents = {pid: p.ppid for pid, p in processes.items()}
+    job = frozenset(descendants(parents, roots))
+    tfprofd = frozenset(descendants(parents, [agent_pid])) if agent_pid is not None else frozenset()
+    tasks: dict[int, tuple[int, int]] = {}
+    for pid in job:
+        try:
+            tids = os.listdir(paths.procfs / str(pid) / "task")
+        except OSError:
+            continue
+        for tid in tids:
+            sched = paths.read_proc(f"{pid}/task/{tid}/schedstat")
+            if sched:
+                try:
+                    tasks[int(tid)] = parse_schedstat(sched)
+                except ValueError:
+                    continue
+    return Edge(now, cpu, cpus, psi, processes, tasks, job, tfprofd)
+
+
+def _ticks(before: Edge, after: Edge, pids: Iterable[int]) -> int:
+    """CPU ticks the processes used between the edges (a process new at the second edge counts in full)."""
+    total = 0
+    for pid in pids:
+        end = after.processes.get(pid)
+        if end is None:
+            continue
+        start = before.processes.get(pid)
+        total += max(end.ticks - (start.ticks if start is not None and start.ppid == end.ppid else 0), 0)
+    return total
+
+
+def measure(before: Edge, after: Edge, clock_ticks: int, job_visible: bool, note: str | None = None) -> HostContext:
+    """The host context between two edges (pure); ``contention`` filled when other processes starved the job."""
+    seconds = after.monotonic - before.monotonic
+    delta = CpuTimes(*(max(getattr(after.cpu, f) - getattr(before.cpu, f), 0)
+                       for f in ("busy", "idle", "iowait", "steal")))
+    if seconds <= 0 or delta.total <= 0:
+        return HostContext(max(seconds, 0.0), note=note or "no CPU time passed between the window's edges")
+    # /proc/stat counts ticks on every CPU: scale to the window's length in CPUs
+    per_tick = after.cpus / delta.total
+    busy, steal = delta.busy * per_tick, delta.steal * per_tick
+    psi = {r: min(max((after.psi[r] - before.psi[r]) / seconds, 0.0), 1.0)
+           for r in PSI if r in after.psi and r in before.psi}
+    tfprofd = _ticks(before, after, after.tfprofd - after.job) / clock_ticks / seconds
+    context = HostContext(round(seconds, 3), after.cpus, busy, steal, delta.iowait / delta.total, psi, note=note)
+    if not job_visible or not after.job:
+        return replace(context, tfprofd_cores=tfprofd, note=note or "the job's processes are not visible to the agent "
+                     "(another pid namespace, or none reported over the local socket); its share is unknown")
+    shared = [t for t in after.tasks if t in before.tasks]
+    new = [t for t in after.tasks if t not in before.tasks]
+    if after.tasks:
+        run = sum(after.tasks[t][0] - before.tasks[t][0] for t in shared) + sum(after.tasks[t][0] for t in new)
+        wait = sum(after.tasks[t][1] - before.tasks[t][1] for t in shared) + sum(after.tasks[t][1] for t in new)
+        job, job_wait = max(run, 0) / 1e9 / seconds, max(wait, 0) / 1e9 / seconds
+    else:
+        job, job_wait = _ticks(before, after, after.job) / clock_ticks / seconds, None
+    others = max(busy - job - tfprofd, 0.0)
+    rest = sorted(((pid, p) for pid, p in after.processes.items() if pid not in after.job | after.tfprofd),
+                  key=lambda kv: -_ticks(before, after, [kv[0]]))[:TOP_OTHERS]
+    top = [OtherProcess(pid, p.comm, round(_ticks(before, after, [pid]) / clock_ticks / seconds, 3))
+           for pid, p in rest]
+    context = replace(context, job_cores=job, job_wait_cores=job_wait, job_processes=len(after.job),
+                    job_threads=len(after.tasks), tfprofd_cores=tfprofd, other_cores=others,
+                    top_others=[o for o in top if o.cores >= 0.05])
+    return replace(context, contention=contention(context))
+
+
+def contention(c: HostContext) -> Contention | None:
+    """Whether other processes starved the job in this window, with the numbers; None if they did not
+    (or the job's run-queue wait could not be measured)."""
+    if c.cpus is None or c.job_cores is None or c.job_wait_cores is None or c.other_cores is None:
+        return None
+    wanted = min(c.job_cores + c.job_wait_cores, float(c.cpus))
+    if wanted < MIN_WANTED:
+        return None
+    others = c.other_cores + (c.tfprofd_cores or 0.0)
+    lost = min(max(wanted - c.job_cores, 0.0), others)
+    share = lost / wanted
+    if share < LOST_SHARE or lost < LOST_CORES:
+        return None
+    waited = c.job_wait_cores / (c.job_cores + c.job_wait_cores)
+    ours = (f" ({c.tfprofd_cores:.1f} of them tfprofd's own workers)"
+            if (c.tfprofd_cores or 0) >= 0.1 * max(others, 0.1) and (c.tfprofd_cores or 0) >= 0.1 else "")
+    top = f"; most: {', '.join(f'{o.name} (pid {o.pid}) {o.cores:.1f}' for o in c.top_others)}" if c.top_others else ""
+    why = (f"other processes used {others:.1f} of {c.cpus} CPUs{ours}; the job's threads were ready to run on "
+           f"{wanted:.1f} CPUs but ran on {c.job_cores:.1f}, waiting for a CPU {waited:.0%} of the time they were "
+           f"ready (run-queue wait from /proc/<pid>/task/*/schedstat over the {c.seconds:.1f} s capture "
+           f"window){top}")
+    return Contention(round(wanted, 3), round(c.job_cores, 3), round(share, 3), why)
+
+
+# ---- joining the trace's verdict with the host context ----
+
+@dataclass(frozen=True)
+class TraceVerdict:
+    """What the trace analysis alone concluded: the parts of its result the join needs."""
+
+    kind: str
+    summary: str
+    hardware: str
+
+    @classmethod
+    def of(cls, analysis: CaptureAnalysis) -> TraceVerdict:
+        return cls(analysis.lead.bottleneck, analysis.summary, analysis.lead.hardware)
+
+
+@dataclass(frozen=True)
+class Cause:
+    """The capture's final cause after the join: ``kind`` replaces the trace's verdict, which stays visible."""
+
+    kind: str
+    why: str
+    recommendation: str
+    trace_kind: str
+    trace_summary: str
+
+
+def join(trace: TraceVerdict, host: HostContext | None, rule: str | None = None) -> Cause | None:
+    """The final cause when host contention explains the step better than the trace's verdict; else None.
+
+    CPU contention stretches host work (``host``, ``small_batch``), CPU compute (``device`` on a CPU-only trace)
+    and a trace too starved to show steps (``unknown``): there, contention is the cause. It does not make a GPU
+    compute longer. And a step that waits for input keeps its ``input`` (or ``transfer``) verdict, with the
+    contention noted beside it: from CPU totals alone tfprofd cannot tell a reader that sleeps on storage (the
+    demo's injected bottleneck, which a CPU hog does not explain) from a pipeline starved of CPU, and the input
+    pipeline is where either is fixed."""
+    if host is None or host.contention is None:
+        return None
+    c = host.contention
+    cpu_bound = trace.kind in ("host", "small_batch", "unknown") or (
+        trace.kind == "device" and trace.hardware in ("CPU_ONLY", ""))
+    if not cpu_bound:
+        return None
+    return Cause("host_contention", c.why + _fired(rule), CONTENTION_RECOMMENDATION, trace.kind, trace.summary)
+
+
+def _fired(rule: str | None) -> str:
+    return f" (rule {rule} fired while the host was contended)" if rule else ""
+
+
+def apply(analysis: CaptureAnalysis, host: HostContext | None,
+          rule: str | None = None) -> tuple[CaptureAnalysis, Cause | None]:
+    """The analysis with the join's cause leading (the trace's own verdict stays on its lead worker); when the
+    host was contended but the trace's verdict stands, its summary says so. Also returns the cause, if one leads."""
+    cause = join(TraceVerdict.of(analysis), host, rule)
+    if cause is not None:
+        return replace(analysis, host_verdict=HostVerdict(cause.kind, cause.why, cause.recommendation),
+                       summary=f"{cause.kind}: {cause.why}; the trace alone says {cause.trace_summary}"), cause
+    if host is not None and host.contention is not None:
+        return replace(analysis, summary=f"{analysis.summary}; the host was contended too: {host.contention.why}"
+                                         f"{_fired(rule)}"), None
+    return analysis, None
+
+
+# ---- the agent's part: windows around captures, and the sampler's series ----
+
+@dataclass
+class Window:
+    """A capture window being measured."""
+
+    job: str
+    first: Edge | None
+    visible: bool
+    opened: float
+    note: str | None = None
+
+
+class HostMonitor:
+    """Measures capture windows, and keeps the sampler's host series while one is open (nothing otherwise,
+    but the CPU's busy share of the last ``BEFORE_SECONDS``)."""
+
+    def __init__(self, paths: HostPaths, jobs: JobRegistry, clock: Clock):
+        self.paths = paths
+        self.jobs = jobs
+        self.clock = clock
+        self.clock_ticks = os.sysconf("SC_CLK_TCK")
+        self._open = 0
+        self._series: deque[tuple[float, str, Snapshot]] = deque()
+        self._cpu: deque[tuple[float, float, float]] = deque()  # (monotonic, busy, iowait)
+        self._lock = threading.Lock()
+
+    def on_snapshot(self, snapshot: Snapshot) -> None:
+        if snapshot.collector not in SAMPLED:
+            return
+        with self._lock:
+            if snapshot.collector == "cpu":
+                busy = snapshot.signals.get("cpu_utilization") or ()
+                iowait = snapshot.signals.get("cpu_iowait") or ()
+                if busy and iowait:
+                    self._cpu.append((snapshot.monotonic, busy[0][1], iowait[0][1]))
+                while self._cpu and self._cpu[0][0] < snapshot.monotonic - BEFORE_SECONDS:
+                    self._cpu.popleft()
+            if self._open:
+                self._series.append((snapshot.monotonic, snapshot.collector, snapshot))
+
+    def _agent_pid(self) -> int | None:
+        try:  # the agent's pid as the procfs it reads numbers it (/host/proc in a container)
+            return int(os.readlink(self.paths.procfs / "self"))
+        except (OSError, ValueError):
+            return None
+
+    def _roots(self, job: str) -> tuple[list[int], str | None]:
+        """The job's pids the agent can trust to be its processes here, and why some are left out."""
+        roots, left = [], []
+        for p in self.jobs.processes(job):
+            if p.local or self._owns_profiler_port(p.pid, p.profiler):
+                roots.append(p.pid)
+            else:
+                left.append(p.pid)
+        note = (f"pid(s) {', '.join(map(str, left))} reported over UDP could not be matched to a process here "
+                "(none holds the job's profiler port)") if left else None
+        return roots, note
+
+    def _owns_profiler_port(self, pid: int, profiler: str | None) -> bool:
+        """Whether process ``pid`` holds the listening socket of the job's profiler (a UDP report's pid may be
+        another pid namespace's number)."""
+        if not profiler:
+            return False
+        try:
+            port = int(profiler.rpartition(":")[2])
+        except ValueError:
+            return False
+        texts = [t for name in ("tcp", "tcp6") if (t := self.paths.read_proc(f"net/{name}"))]
+        inodes = listening_inodes(texts, port)
+        if not inodes:
+            return False
+        try:
+            fds = os.listdir(self.paths.procfs / str(pid) / "fd")
+        except OSError:
+            return False
+        for fd in fds:
+            try:
+                target = os.readlink(self.paths.procfs / str(pid) / "fd" / fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and int(target[8:-1]) in inodes:
+                return True
+        return False
+
+    def open(self, job: str) -> Window:
+        """Read the window's first edge (call just before the capture starts); ``close`` it in any case."""
+        now = self.clock.monotonic()
+        roots, note = self._roots(job)
+        try:
+            window = Window(job, read_edge(self.paths, roots, self._agent_pid(), now), bool(roots), now, note)
+        except ValueError as exc:
+            window = Window(job, None, False, now, str(exc))
+        with self._lock:
+            self._open += 1
+        return window
+
+    def close(self, window: Window, before: HostLoad | None = None) -> HostContext:
+        """Read the window's second edge and say what the host did in between."""
+        now = self.clock.monotonic()
+        with self._lock:
+            self._open -= 1
+            taken = [(t, c, s) for t, c, s in self._series if window.opened <= t <= now]
+            if not self._open:
+                self._series.clear()
+        context = HostContext(round(now - window.opened, 3), note=window.note)
+        if window.first is not None:
+            try:
+                roots = sorted(window.first.job)  # the processes found at the first edge, and their new children
+                last = read_edge(self.paths, roots, self._agent_pid(), now)
+                context = measure(window.first, last, self.clock_ticks, window.visible, window.note)
+            except ValueError as exc:
+                context = replace(context, note=str(exc))
+        return replace(context, sampled=summarise(taken), before=before)
+
+    def load_before(self) -> HostLoad | None:
+        """The CPUs' busy and iowait shares over the last ``BEFORE_SECONDS`` as the sampler saw them."""
+        with self._lock:
+            samples = list(self._cpu)
+        if not samples:
+            return None
+        return HostLoad(round(samples[-1][0] - samples[0][0], 1), statistics.fmean(s[1] for s in samples),
+                        statistics.fmean(s[2] for s in samples))
+
+
+def summarise(taken: list[tuple[float, str, Snapshot]]) -> list[SeriesSummary]:
+    """Each sampled series over the window: mean, min, max."""
+    values: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]] = {}
+    for _, _, snapshot in taken:
+        for signal, series in snapshot.signals.items():
+            for labels, value in series:
+                values.setdefault((signal, tuple(sorted(labels.items()))), []).append(value)
+    return [SeriesSummary(signal, dict(labels), round(statistics.fmean(v), 4), round(min(v), 4), round(max(v), 4),
+                          len(v)) for (signal, labels), v in sorted(values.items())]

@@ -1,0 +1,36 @@
+"""Every benchmark in bench/ runs, in its quick mode (tiny sizes and durations, no timing targets), so a
+bench cannot rot unnoticed between the runs of `make bench` (bench/capture_latency.py once answered 401
+to every call, unnoticed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+from run_all import BENCHES  # noqa: E402
+
+pytestmark = [pytest.mark.tf, pytest.mark.servers]
+# What each bench prints last when it ran to the end (a bench that only exits 0 proves less).
+LAST_WORDS = {"scrape.py": "scrape and CPU against the number of reporting jobs",
+              "hook_overhead.py": "one report (the reporter thread's work each second)",
+              "capture_latency.py": "trigger latency, POST -> 'Profiler session started'",
+              "scenarios.py": "named correctly: 1 of 1",
+              "hostile.py": "RSS ",
+              "analysis_cost.py": " s capture: trace"}
+
+
+def test_every_bench_has_a_quick_check():
+    assert set(LAST_WORDS) == set(BENCHES)
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_bench_runs_in_quick_mode(bench):
+    result = subprocess.run([sys.executable, str(BENCH / bench), "--quick"], cwd=BENCH, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, f"{bench} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert LAST_WORDS[bench] in result.stdout, result.stdout[-3000:]

@@ -1,0 +1,60 @@
+"""``make gpu-check``'s run step (bench/gpu_check.py run): it passes only where NVML answers with a GPU.
+
+The test machine has no GPU: without tests/fakenvml on LD_LIBRARY_PATH the real pynvml finds no
+libnvidia-ml.so.1, as on a host without the driver; with it, the simulated library stands in."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import prometheus_client
+import psutil
+import pynvml
+import yaml
+
+from helpers import GpuState, gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _site(tmp_path: Path) -> Path:
+    """What ``gpu_check.py build`` installs, linked from this environment: the agent and its four packages."""
+    site = tmp_path / "site"
+    (site / "tfprofd").mkdir(parents=True)
+    for name in ("daemon", "exporter"):
+        (site / "tfprofd" / name).symlink_to(ROOT / name)
+    for module in (prometheus_client, psutil, yaml):
+        (site / module.__name__).symlink_to(Path(module.__file__).parent)
+    (site / "pynvml.py").symlink_to(pynvml.__file__)
+    return site
+
+
+def _gpu_check(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "OUT", "FAKE_NVML_STATE")}
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "run", "--seconds", "2",
+                           "--site", str(_site(tmp_path))], env={**environment, **env}, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_without_nvml_gpu_check_fails_and_says_why(tmp_path):
+    result = _gpu_check(tmp_path, {})
+    assert result.returncode == 1, result
+    assert "gpu-check FAILED: NVML is unavailable on this host" in result.stderr, result.stderr
+    assert "libnvidia-ml.so.1" in result.stderr and "machine with an NVIDIA GPU" in result.stderr
+
+
+def test_with_nvml_but_no_gpu_gpu_check_fails(tmp_path, fakenvml):
+    state = GpuState(tmp_path / "nvml.json", [])
+    result = _gpu_check(tmp_path, state.env())
+    assert result.returncode == 1, result
+    assert "gpu-check FAILED: NVML loaded but reports no GPU" in result.stderr, result.stderr
+
+
+def test_with_a_gpu_gpu_check_passes_and_names_it(tmp_path, fakenvml):
+    state = GpuState(tmp_path / "nvml.json", [gpu(0)])
+    result = _gpu_check(tmp_path, state.env())
+    assert result.returncode == 0, result
+    assert "GPU 0: NVIDIA H100 80GB HBM3" in result.stdout and "FAILED" not in result.stderr, result

@@ -1,0 +1,207 @@
+"""The host context of a capture: parsing procfs, the job/others split, the contention verdict and its join
+with the trace's verdict (fixture /proc trees: tests/fixtures/hostcontext)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tfprofd.daemon.analysis import CaptureAnalysis
+from tfprofd.daemon.hostcontext import (
+    HostContext,
+    TraceVerdict,
+    apply,
+    contention,
+    descendants,
+    join,
+    listening_inodes,
+    measure,
+    parse_pid_stat,
+    parse_proc_stat,
+    parse_schedstat,
+    read_edge,
+)
+from tfprofd.daemon.jobs import Target
+from tfprofd.daemon.policy import CapturePolicy
+from tfprofd.daemon.records import CaptureRecord
+from tfprofd.exporter.base import Clock, HostPaths
+
+from helpers import FIXTURES
+
+EDGES = FIXTURES / "hostcontext"
+JOB, AGENT = 100, 200
+
+
+def edges(job_roots=(JOB,)):
+    before = read_edge(HostPaths(EDGES / "before"), job_roots, AGENT, now=10.0)
+    after = read_edge(HostPaths(EDGES / "after"), sorted(before.job), AGENT, now=12.0)
+    return before, after
+
+
+def window(visible: bool = True) -> HostContext:
+    return measure(*edges(), clock_ticks=100, job_visible=visible)
+
+
+def test_proc_files_parse():
+    times, cpus = parse_proc_stat((EDGES / "after" / "stat").read_text())
+    assert cpus == 2 and (times.busy, times.idle, times.iowait, times.steal) == (1880, 8016, 104, 0)
+    hog = parse_pid_stat((EDGES / "after" / "300" / "stat").read_text())
+    assert (hog.pid, hog.comm, hog.ppid, hog.ticks) == (300, "my (hog) x", 1, 1270)
+    assert parse_schedstat("5300000000 1500000000 20\n") == (5_300_000_000, 1_500_000_000)
+    assert descendants({100: 1, 150: 100, 151: 150, 200: 1, 210: 200}, [100, 999]) == {100, 150, 151}
+    tcp = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+           "   0: 0100007F:1771 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 4242 1\n"
+           "   1: 0100007F:1771 0100007F:9C40 01 00000000:00000000 00:00000000 00000000  1000        0 4343 1\n")
+    assert listening_inodes([tcp], 0x1771) == {4242}  # the listening socket, not an accepted connection
+    with pytest.raises(ValueError):
+        parse_proc_stat("intr 1 2 3\n")
+    with pytest.raises(ValueError):
+        parse_pid_stat("12 (cut short) S 1")
+
+
+def test_the_job_and_its_child_are_told_from_tfprofd_and_the_others():
+    c = window()
+    assert (c.seconds, c.cpus, c.busy_cores) == (2.0, 2, pytest.approx(1.9))
+    assert c.iowait_share == pytest.approx(0.01)
+    assert c.psi_some == pytest.approx({"cpu": 0.6, "io": 0.02, "memory": 0.0})
+    # run and run-queue wait of the job's three threads (two in pid 100, one in its child 150)
+    assert (c.job_processes, c.job_threads) == (2, 3)
+    assert c.job_cores == pytest.approx(0.5) and c.job_wait_cores == pytest.approx(0.75)
+    assert c.tfprofd_cores == pytest.approx(0.1)  # the agent and a capture worker that started in the window
+    assert c.other_cores == pytest.approx(1.3)
+    assert [(o.pid, o.name, o.cores) for o in c.top_others] == [(300, "my (hog) x", 1.35)]
+
+
+def test_other_processes_starving_the_job_is_contention_with_the_numbers():
+    c = window().contention
+    assert c is not None
+    assert (c.wanted_cores, c.got_cores, c.lost_share) == (1.25, 0.5, 0.6)
+    assert c.why.startswith("other processes used 1.4 of 2 CPUs; the job's threads were ready to run on 1.2 CPUs "
+                            "but ran on 0.5, waiting for a CPU 60% of the time they were ready (run-queue wait "
+                            "from /proc/<pid>/task/*/schedstat over the 2.0 s capture window)")
+    assert c.why.endswith("most: my (hog) x (pid 300) 1.4")
+
+
+def test_a_job_that_waits_on_itself_or_sleeps_is_not_contended():
+    base = window()
+    # the job alone oversubscribes the CPUs: it waits, but for its own threads
+    alone = HostContext(2.0, 2, 2.0, 0.0, 0.0, {}, job_cores=1.9, job_wait_cores=2.5, tfprofd_cores=0.05,
+                        other_cores=0.05)
+    # a reader that sleeps on I/O wants little CPU, so waiting for half of it loses little
+    sleeper = HostContext(2.0, 2, 2.0, 0.0, 0.0, {}, job_cores=0.12, job_wait_cores=0.12, tfprofd_cores=0.0,
+                          other_cores=1.8)
+    assert contention(base) is not None
+    assert contention(alone) is None and contention(sleeper) is None
+
+
+def test_a_job_not_visible_here_has_no_split_and_no_verdict():
+    c = window(visible=False)
+    assert c.job_cores is None and c.contention is None and c.busy_cores == pytest.approx(1.9)
+    assert "not visible to the agent" in c.note
+    assert "not visible" in "\n".join(c.lines())
+
+
+def test_a_procfs_without_stat_is_an_error_not_a_guess(tmp_path):
+    with pytest.raises(ValueError, match="cannot read"):
+        read_edge(HostPaths(tmp_path), [JOB], AGENT, now=1.0)
+
+
+@pytest.mark.parametrize("kind, hardware, ratio, final", [
+    ("device", "CPU_ONLY", None, "host_contention"),  # CPU compute stretched by the neighbours
+    ("small_batch", "CPU_ONLY", None, "host_contention"),
+    ("host", "GPU", None, "host_contention"),
+    ("device", "GPU", None, "device"),  # CPU contention does not make GPU kernels longer
+    ("input", "CPU_ONLY", 0.3, "input"),  # a step waiting for input keeps its verdict, contention noted
+    ("transfer", "GPU", 0.3, "transfer"),
+])
+def test_the_join_names_contention_only_where_it_explains_the_step(kind, hardware, ratio, final):
+    host = window()
+    analysis = CaptureAnalysis.from_json({"bottleneck": kind, "summary": f"{kind}: the trace's sentence",
+                                          "hardware": hardware, "input_bound_ratio": ratio,
+                                          "recommendation": "the trace's advice"})
+    joined, cause = apply(analysis, host, rule="throughput_drop")
+    stored = CaptureAnalysis.from_json(json.loads(json.dumps(joined.to_json())))  # as a record keeps it
+    for result in (joined, stored):
+        assert result.bottleneck == final
+        if final == "host_contention":
+            assert cause is not None and result.lead.bottleneck == kind
+            assert result.summary.startswith("host_contention: other processes used 1.4 of 2 CPUs")
+            assert "(rule throughput_drop fired while the host was contended)" in result.summary
+            assert result.summary.endswith(f"the trace alone says {kind}: the trace's sentence")
+            assert result.lead.recommendation == "the trace's advice"
+            assert "CPUs of its own" in result.recommendation
+            assert result.to_json()["trace_bottleneck"] == kind
+        else:
+            assert cause is None and "trace_bottleneck" not in result.to_json()
+            assert result.summary == (f"{kind}: the trace's sentence; the host was contended too: "
+                                      f"{host.contention.why} (rule throughput_drop fired while the host was "
+                                      "contended)")
+
+
+def test_no_contention_leaves_the_trace_verdict_alone():
+    quiet = HostContext(2.0, 2, 0.6, 0.0, 0.0, {}, job_cores=0.5, job_wait_cores=0.01, tfprofd_cores=0.05,
+                        other_cores=0.05)
+    analysis = CaptureAnalysis.from_json({"bottleneck": "device", "summary": "device: compute-bound",
+                                          "hardware": "CPU_ONLY"})
+    assert apply(analysis, quiet) == (analysis, None) and apply(analysis, None) == (analysis, None)
+    assert join(TraceVerdict.of(analysis), window()) is not None
+
+
+def test_the_record_stores_the_typed_context_and_reads_it_back():
+    record = CaptureRecord(id="20260101T000000Z-abcdef", trigger="rule", job="j", targets=[], requested_at=1.0,
+                           duration_ms=2000, mode="agent", host=window())
+    data = json.loads(json.dumps(record.public()))
+    assert data["host"]["contention"]["lost_share"] == 0.6
+    again = CaptureRecord.from_dict(data)
+    assert again.host == record.host
+    bad = {**data, "host": {**data["host"], "busy_cores": "lots"}}
+    with pytest.raises(ValueError, match="busy_cores"):
+        CaptureRecord.from_dict(bad)
+    with pytest.raises(ValueError, match="host context"):
+        CaptureRecord.from_dict({**data, "host": {"seconds": 1, "surprise": 2}})
+
+
+def test_a_contended_capture_gives_its_rule_cooldown_back(tmp_path: Path):
+    policy = CapturePolicy(Clock(), tmp_path / "alerts.json")
+    targets = [Target("j", "0", "127.0.0.1:6009")]
+    admission = policy.admit(targets, None, rule="throughput_drop", cooldown=600)
+    policy.release(admission)
+    with pytest.raises(Exception, match="cooldown"):
+        policy.admit(targets, None, rule="throughput_drop", cooldown=600)
+    assert policy.forgive("throughput_drop", admission.addresses)
+    policy.release(policy.admit(targets, None, rule="throughput_drop", cooldown=600))
+    assert not policy.forgive("other_rule", admission.addresses)
+
+
+class _Registry:
+    def __init__(self, *processes):
+        self.listed = list(processes)
+
+    def processes(self, job):
+        return self.listed
+
+
+def test_a_window_on_a_procfs_without_stat_says_why_and_keeps_no_samples(tmp_path):
+    from tfprofd.daemon.hostcontext import HostMonitor
+    from tfprofd.exporter.training import ProcessView
+
+    reported = ProcessView("j", "0", 4242, False, "train", True, "127.0.0.1:6009")  # UDP, not matched here
+    monitor = HostMonitor(HostPaths(tmp_path), _Registry(reported), Clock())
+    window = monitor.open("j")
+    context = monitor.close(window)
+    assert context.cpus is None and context.contention is None
+    assert context.note == f"cannot read {tmp_path}/stat"
+    assert monitor._open == 0 and not monitor._series
+
+
+def test_a_udp_pid_that_does_not_hold_the_profiler_port_is_not_the_job(tmp_path):
+    from tfprofd.daemon.hostcontext import HostMonitor
+    from tfprofd.exporter.training import ProcessView
+
+    # the fixture's pid 100 has no fd holding a socket on the profiler's port: another namespace's number
+    reported = ProcessView("j", "0", JOB, False, "train", True, "127.0.0.1:6009")
+    monitor = HostMonitor(HostPaths(EDGES / "after"), _Registry(reported), Clock())
+    context = monitor.close(monitor.open("j"))
+    assert context.job_cores is None and "could not be matched to a process here" in context.note

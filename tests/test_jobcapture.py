@@ -1,0 +1,189 @@
+"""Job-wide capture against lightweight peers (tests/fake_agent.py speaks the peer API): one instant for
+every peer, one job record with every worker and the straggler, and the faults: a peer down, a peer with
+another token, a peer that answers late, a job that ends mid-capture, a forged job-wide request."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from fake_agent import FakeAgent, FakeWorker
+
+from helpers import AgentProcess, free_port, http, wait_for
+
+pytestmark = pytest.mark.servers
+
+TOKEN = "shared-cluster-token"
+
+
+def fake(workers: list[FakeWorker], **kw) -> FakeAgent:
+    return FakeAgent("127.0.0.1", free_port(), kw.pop("token", TOKEN), workers, **kw).start()
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    """A real agent with no worker of its own and the static peer list given by the test."""
+    agents: list[AgentProcess] = []
+    fakes: list[FakeAgent] = []
+
+    def start(peers: list[FakeAgent], more: tuple[str, ...] = ()) -> AgentProcess:
+        fakes.extend(peers)
+        args = ["--captures.baseline", "false", "--cluster.timeout", "10s"]  # pings on a busy test machine
+        if peers:
+            args += ["--cluster.peers", ",".join([*(f"{p.host}:{p.port}" for p in peers), *more])]
+        agent = AgentProcess(tmp_path, args=args, env={"TFPROFD_API_TOKEN": TOKEN}).start()
+        agents.append(agent)
+        return agent
+
+    yield start
+    for agent in agents:
+        agent.stop()
+    for peer in fakes:
+        peer.stop()
+
+
+def job_record(agent: AgentProcess, record_id: str) -> dict:
+    def final():
+        status, record = http("GET", f"{agent.api}/captures/{record_id}", token=TOKEN)
+        assert status == 200, record
+        return record if record["status"] != "running" else None
+
+    return wait_for(final, 60, 0.2, message=f"job record {record_id}")
+
+
+def test_one_request_one_instant_one_record_with_every_worker_and_the_straggler(coordinator):
+    peers = [fake([FakeWorker("worker-0", 10.0)]), fake([FakeWorker("worker-1", 10.4)]),
+             fake([FakeWorker("worker-2", 16.0, input_wait_ms=7.0)])]
+    agent = coordinator(peers)
+    status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+    assert status == 202, answer
+    record = job_record(agent, answer["id"])
+    assert record["status"] == "done", record
+    assert [w["worker"] for w in record["workers"]] == ["worker-0", "worker-1", "worker-2"]
+    # Every peer was asked for the same instant, and before it came.
+    instants = {start for p in peers for _, start in p.asked}
+    assert instants == {record["start_at_ns"]}
+    assert all(when < record["start_at_ns"] / 1e9 for p in peers for when, _ in p.asked)
+    assert record["window_skew_ms"] == 0.0
+    straggler = record["straggler"]
+    assert (straggler["worker"], straggler["part"]) == ("worker-2", "input_wait")
+    assert straggler["delta_ms"] == pytest.approx(6.0)
+    assert record["failed"] == [] and len(record["captures"]) == 3
+
+
+def test_faults_are_named_in_a_partial_record(coordinator):
+    good = fake([FakeWorker("worker-0")])
+    other_token = fake([FakeWorker("worker-1")], token="another-token")
+    late = fake([FakeWorker("worker-2")], answer_delay=20.0)
+    ended = fake([FakeWorker("worker-3")], outcome="died")
+    down_port = free_port()
+    agent = coordinator([good, other_token, late, ended], (f"127.0.0.1:{down_port}",))
+    status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+    assert status == 202, answer
+    record = job_record(agent, answer["id"])
+    assert record["status"] == "partial", record
+    assert [w["worker"] for w in record["workers"]] == ["worker-0"]
+    why = {f["peer"]: f["why"] for f in record["failed"]}
+    assert set(why) == {f"127.0.0.1:{p}" for p in (other_token.port, late.port, ended.port, down_port)}
+    assert "unreachable" in why[f"127.0.0.1:{down_port}"]
+    assert "refused the shared token (401)" in why[f"127.0.0.1:{other_token.port}"]
+    assert "not asked in time" in why[f"127.0.0.1:{late.port}"]
+    assert "died during the capture" in why[f"127.0.0.1:{ended.port}"]
+    assert other_token.asked == []  # named before any capture was asked of it
+    assert all(name in record["detail"] for name in why)
+
+
+def test_a_forged_or_forwarded_job_wide_request_reaches_nobody(coordinator):
+    peer = fake([FakeWorker("worker-0")])
+    agent = coordinator([peer])
+    with socket.socket() as outside:  # an address the request would like the agent to call
+        outside.bind(("127.0.0.9", 0))
+        outside.listen(1)
+        outside.settimeout(0.5)
+        target = f"127.0.0.9:{outside.getsockname()[1]}"
+        for body, headers in (({"job": "ring", "scope": "job", "peers": [target]}, {}),
+                              ({"job": "ring", "scope": "job"}, {"X-Tfprofd-Forwarded-By": "gpu-7"}),
+                              ({"job": "ring", "scope": "job", "start_at_ns": 1}, {}),
+                              ({"scope": "job"}, {}), ({"job": "ring", "scope": "world"}, {}),
+                              ({"job": "ring", "trigger": "rule"}, {})):
+            status, answer = http("POST", f"{agent.api}/captures", body, token=TOKEN, headers=headers)
+            assert status == 400, (body, answer)
+        assert peer.connections == 0
+        # The same request, unforged: the agent asks its configured peer, still nobody else.
+        status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+        assert status == 202, answer
+        assert job_record(agent, answer["id"])["status"] == "done"
+        assert peer.connections > 0
+        with pytest.raises(TimeoutError):
+            outside.accept()
+    status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "start_at_ns": 10**18}, token=TOKEN)
+    assert status == 400 and "start_at_ns" in answer["error"], answer  # a peer's instant is at most a minute ahead
+
+
+def test_a_job_wide_capture_needs_a_cluster(coordinator):
+    agent = coordinator([])
+    status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+    assert status == 400 and "cluster.prometheus_url or cluster.peers" in answer["error"], answer
+
+
+def test_a_job_level_alert_captures_the_whole_job_once(coordinator):
+    peers = [fake([FakeWorker("worker-0")]), fake([FakeWorker("worker-1")])]
+    agent = coordinator(peers)
+    alert = {"status": "firing", "labels": {"alertname": "TfprofdStraggler", "training_job": "ring"},
+             "fingerprint": "abc", "startsAt": "2026-11-24T18:00:00Z"}
+    payload = {"version": "4", "status": "firing", "alerts": [alert]}
+    status, outcome = http("POST", f"{agent.api}/alerts", payload, token=TOKEN)
+    assert status == 200 and len(outcome["captures"]) == 1, outcome
+    record = job_record(agent, outcome["captures"][0])
+    assert (record["trigger"], record["status"]) == ("alert", "done"), record
+    assert [w["worker"] for w in record["workers"]] == ["worker-0", "worker-1"]
+    assert [p.triggers for p in peers] == [["alert"], ["alert"]]  # the peers' holds on automatic captures apply
+    status, again = http("POST", f"{agent.api}/alerts", payload, token=TOKEN)
+    assert again["captures"] == [] and again["ignored"][0]["why"] == "already handled", again
+    agent.stop()  # the job record outlives the agent
+    agent.start()
+    assert http("GET", f"{agent.api}/captures/{record['id']}", token=TOKEN) == (200, record)
+
+
+def test_tfprofd_capture_all_hosts_waits_for_the_job_record(coordinator):
+    peers = [fake([FakeWorker("worker-0", 10.0)]), fake([FakeWorker("worker-1", 30.0, input_wait_ms=21.0)])]
+    agent = coordinator(peers)
+    run = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "capture", "--api", f"http://127.0.0.1:{agent.api_port}",
+                          "--job", "ring", "--all-hosts", "--wait"], env={**os.environ, "TFPROFD_API_TOKEN": TOKEN},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "job-wide capture" in run.stdout and "job ring: done: 2 worker(s)" in run.stdout, run.stdout
+    assert "straggler: worker worker-1" in run.stdout and "in input_wait" in run.stdout, run.stdout
+    run = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "capture", "--api", f"http://127.0.0.1:{agent.api_port}",
+                          "--all-hosts"], env={**os.environ, "TFPROFD_API_TOKEN": TOKEN}, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2 and "--all-hosts needs --job" in run.stderr
+
+
+def test_a_bad_job_record_on_disk_is_set_aside_and_the_agent_starts(tmp_path):
+    jobs = tmp_path / "state" / "jobs"
+    jobs.mkdir(parents=True, mode=0o700)
+    (jobs / "20261124T180000Z-abcdef.json").write_text('{"id": "../../etc", "scope": "job"}')
+    agent = AgentProcess(tmp_path, env={"TFPROFD_API_TOKEN": TOKEN}).start()
+    try:
+        assert http("GET", f"{agent.api}/captures/20261124T180000Z-abcdef", token=TOKEN)[0] == 404
+        assert [p.name.split(".bad-")[0] for p in jobs.iterdir()] == ["20261124T180000Z-abcdef.json"]
+        assert "not a valid job record" in agent.log()
+    finally:
+        agent.stop()
+
+
+def test_a_job_no_agent_has_is_refused_at_once(tmp_path):
+    agent = AgentProcess(tmp_path, env={"TFPROFD_API_TOKEN": TOKEN},
+                         args=["--cluster.prometheus-url", f"http://127.0.0.1:{free_port()}"]).start()
+    try:  # Prometheus down: 502 with its address; the alert asks Alertmanager to send it again
+        status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+        assert status == 502 and "unreachable" in answer["error"], answer
+        alert = {"status": "firing", "labels": {"alertname": "JobSlow", "training_job": "ring"}, "fingerprint": "f"}
+        status, outcome = http("POST", f"{agent.api}/alerts", {"version": "4", "alerts": [alert]}, token=TOKEN)
+        assert status == 503 and "unreachable" in outcome["retry"][0]["why"], outcome
+    finally:
+        agent.stop()

@@ -1,0 +1,105 @@
+"""Job-wide capture end to end: three real agents on their own loopback addresses (127.0.0.2-4, one control
+API port shared as on real nodes), a real Prometheus scraping them, and a TensorFlow job with one worker per
+agent, one of them slowed by a sleep in its input. One request to any agent gives one record with every
+worker, one window, and the slowed worker named with the part that grew."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import AgentProcess, free_port, http, metric_value, start_prometheus, start_training, wait_for
+
+pytestmark = [pytest.mark.tf, pytest.mark.servers]
+
+TOKEN = "cluster-token"
+HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """(agents by host, their control API port); Prometheus scrapes them, job ring has a worker on each."""
+    api_port = free_port()
+    agents = {host: AgentProcess(tmp_path / host) for host in HOSTS if not (tmp_path / host).mkdir()}
+    workers, prometheus = [], None
+    try:
+        prometheus, prom_port = start_prometheus(tmp_path, [f"{h}:{a.port}" for h, a in agents.items()])
+        for host, agent in agents.items():
+            agent.env["TFPROFD_API_TOKEN"] = TOKEN
+            agent.args += ["--listen", f"{host}:{agent.port}", "--api.listen", f"{host}:{api_port}",
+                           "--captures.baseline", "false", "--alerts.forward-networks", "127.0.0.0/8",
+                           "--cluster.prometheus-url", f"http://127.0.0.1:{prom_port}"]
+            agent.start(wait=False)
+        for host, agent in agents.items():
+            wait_for(lambda a=agent, h=host: _serves(a, h), 30, message=f"the agent on {host}")
+        # One worker per agent; worker-1's input reads 10x slower.
+        for i, host in enumerate(HOSTS):
+            workers.append(start_training(agents[host].hook_port, "--job", "ring", "--worker", f"worker-{i}",
+                                          "--seconds", "300", "--map-delay", "0.002" if i == 1 else "0.0002"))
+        yield agents, api_port
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+        if prometheus:
+            prometheus.stop()
+        for agent in agents.values():
+            if agent.proc:
+                agent.stop()
+
+
+def _serves(agent: AgentProcess, host: str) -> bool:
+    assert agent.proc.poll() is None, agent.log()
+    try:
+        return http("GET", f"http://{host}:{agent.port}/healthz", timeout=1)[0] in (200, 503)
+    except OSError:
+        return False
+
+
+def _training(agents: dict[str, AgentProcess]) -> bool:
+    return all(metric_value(http("GET", f"http://{h}:{a.port}/metrics")[1], "tfprofd_training_samples_per_second",
+                            training_job="ring") for h, a in agents.items())
+
+
+def test_one_request_to_any_agent_captures_every_worker_in_one_window_and_names_the_straggler(cluster):
+    agents, api_port = cluster
+    wait_for(lambda: _training(agents), 240, 1, message="the three workers to train")
+    coordinator = HOSTS[2]  # any agent: here one without the straggler
+    status, answer = http("POST", f"http://{coordinator}:{api_port}/api/v1/captures",
+                          {"job": "ring", "scope": "job", "duration_ms": 2000}, token=TOKEN)
+    assert status == 202, answer
+    record = _final(agents, coordinator, api_port, answer["id"])
+    print(json.dumps(record, indent=1))  # costs in README: requested_at -> start_at_ns -> finished_at
+    _every_worker_and_the_straggler(record, api_port)
+
+    # The same from a job-level alert (aggregated over hosts: no instance) sent to another agent.
+    alert = {"status": "firing", "labels": {"alertname": "JobStraggler", "training_job": "ring"},
+             "fingerprint": "tf1", "startsAt": "2026-11-24T18:00:00Z"}
+    status, outcome = http("POST", f"http://{HOSTS[0]}:{api_port}/api/v1/alerts",
+                           {"version": "4", "status": "firing", "alerts": [alert]}, token=TOKEN)
+    assert status == 200 and len(outcome["captures"]) == 1, outcome
+    record = _final(agents, HOSTS[0], api_port, outcome["captures"][0])
+    assert record["trigger"] == "alert"
+    _every_worker_and_the_straggler(record, api_port, local=HOSTS[0])
+
+
+def _final(agents: dict[str, AgentProcess], host: str, api_port: int, record_id: str) -> dict:
+    def final():
+        status, record = http("GET", f"http://{host}:{api_port}/api/v1/captures/{record_id}", token=TOKEN)
+        assert status == 200, record
+        return record if record["status"] != "running" else None
+
+    record = wait_for(final, 400, 1, message="the job record")
+    assert record["status"] == "done", (record, [a.log()[-2000:] for a in agents.values()])
+    return record
+
+
+def _every_worker_and_the_straggler(record: dict, api_port: int, local: str = HOSTS[2]) -> None:
+    assert [w["worker"] for w in record["workers"]] == ["worker-0", "worker-1", "worker-2"], record
+    assert {w["peer"] for w in record["workers"]} == {*(f"{h}:{api_port}" for h in HOSTS if h != local), "local"}
+    assert all(w["steps"] > 0 for w in record["workers"]), record["workers"]
+    assert record["window_skew_ms"] < 50, record["window_skew_ms"]
+    straggler = record["straggler"]
+    assert straggler and straggler["worker"] == "worker-1", record
+    assert straggler["part"] in ("input_wait", "between_steps_input"), straggler
