@@ -371,8 +371,8 @@ class Engine:
     def history(self, signal: str, labels: dict[str, str]) -> list[tuple[float, float]]:
         """The recent (monotonic time, value) samples of every series of ``signal`` matching ``labels``."""
         with self._lock:
-            return sorted(p for key, h in self._history.items() if key[0] == signal
-                          and all(dict(key[1]).get(k) == v for k, v in labels.items()) for p in h)
+            return sorted(p for key, h in self._history.get(signal, {}).items()
+                          if all(dict(key).get(k) == v for k, v in labels.items()) for p in h)
 
     def firing_for(self, job: str) -> bool:
         """Whether any rule fires for a series of this training job."""

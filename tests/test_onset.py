@@ -287,3 +287,15 @@ def test_capture_on_pending_is_set_by_yaml_env_or_flag_and_validated(tmp_path):
         config.load(str(path), env={})
     text = " ".join(map(str, info.value.problems))
     assert "captures.snapshot_keep" in text and "captures.snapshot_interval" in text
+
+
+def test_the_engine_gives_a_jobs_recent_step_times_for_the_drop_estimate():
+    outlier = Rule("step_time_outlier", "", (Condition("step_seconds", "mean", 20, above_baseline=2, baseline=600),))
+    engine = Engine([RULE, outlier], {"samples_per_second": ("training", ("training_job",)),
+                                      "step_seconds": ("training", ("training_job", "worker"))})
+    for t, value in enumerate([0.01] * 6 + [0.3, 0.3]):
+        engine.observe("training", float(t), {"step_seconds": [({"training_job": "a", "worker": "0"}, value)],
+                                              "samples_per_second": [({"training_job": "a"}, 5.0)]}, lambda _: True)
+    points = engine.history("step_seconds", {"training_job": "a"})
+    assert len(points) == 8 and drop_time(points) == 6.0
+    assert engine.history("step_seconds", {"training_job": "b"}) == []

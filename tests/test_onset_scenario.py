@@ -19,7 +19,7 @@ def test_a_transient_input_slowdown_is_traced_from_its_onset_and_named(tmp_path)
     log = tmp_path / "slow.log"
     healthy = [a for a in BASE if a not in ("--map-delay", "0.0002")]
     job = start_training(agent.hook_port, "--job", "onset", "--seconds", str(SLOW_AFTER + SLOW_FOR + 40), *healthy,
-                         "--map-delay", "0.004", "--slow-after", str(SLOW_AFTER), "--slow-for", str(SLOW_FOR),
+                         "--map-delay", "0.01", "--slow-after", str(SLOW_AFTER), "--slow-for", str(SLOW_FOR),
                          "--slow-log", str(log))
     try:
         wait_for(lambda: job_reporting(agent, "onset"), 120, message="the job to report")
