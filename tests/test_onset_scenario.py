@@ -10,7 +10,7 @@ from scenarios import BASE
 
 pytestmark = pytest.mark.tf
 
-SLOW_AFTER, SLOW_FOR = 50.0, 20.0
+SLOW_AFTER, SLOW_FOR = 30.0, 20.0  # early: on a loaded host, CPU steps vary enough to trip the shipped rules
 
 
 def test_a_transient_input_slowdown_is_traced_from_its_onset_and_named(tmp_path):
@@ -28,8 +28,9 @@ def test_a_transient_input_slowdown_is_traced_from_its_onset_and_named(tmp_path)
             status, answer = agent.call("GET", "/captures")
             assert status == 200, answer
             records = answer["captures"]
+            slow = float(log.read_text().split()[1]) if log.exists() else None
             done = [r for r in records if r["trigger"] == "rule" and r["status"] not in ("running", "analyzing")
-                    and r["status"] != "discarded"]
+                    and r["status"] != "discarded" and slow is not None and r["requested_at"] > slow - 1]
             return done[-1] if done else None
 
         record = wait_for(kept, SLOW_AFTER + SLOW_FOR + 240, interval=1.0, message="a rule's capture to be analysed")
