@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from .hostcontext import HostContext
 from .rules import CLEARED, FIRING, PENDING, RESOLVED, Transition
 from .workers import PARENT_ENV
 
@@ -195,8 +196,13 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
         armed = ring.answer(s.timeout)
         if armed.get("armed"):
             record.context["mode"] = "snapshots"
+            window = service._host(lambda host: host.open(record.job))  # the host beside the ring, as a capture
             outcome = service.pending.wait(entry)
             result = ring.finish("keep" if outcome == FIRED else "drop", s.timeout + request["duration_ms"] / 1000)
+            if isinstance(window, HostContext):  # the window could not be opened: the record says why
+                record.host = window
+            elif window is not None:
+                record.host = service._host(lambda host: host.close(window, before))
             service.policy.release(admission)
             if outcome != FIRED:
                 discard(service, record, outcome)
