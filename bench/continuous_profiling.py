@@ -30,9 +30,10 @@ from tfprofd.exporter.hook import TfprofdCallback
 
 from common import free_port
 
-ROUNDS = 8
-PHASE = 6.0  # seconds per phase: three snapshots at 2 s
-INTERVAL = 2.0
+QUICK = "--quick" in sys.argv  # one short round: the bench runs, the figure means nothing
+ROUNDS = 1 if QUICK else 8
+PHASE = 1.5 if QUICK else 6.0  # seconds per phase: three snapshots at 2 s
+INTERVAL = 0.5 if QUICK else 2.0
 
 
 def phase(turn: Turn, seconds: float) -> float:
@@ -54,7 +55,7 @@ def main() -> dict[str, float]:
     model.fit(dataset.take(20), epochs=1, verbose=0)  # trace the train function
     callbacks = begun(model, [TfprofdCallback(job="bench", profiler=False)])
     turn = Turn(callbacks, model.train_function, dataset)
-    phase(turn, 2.0)  # warm up: tracing, the first steps
+    phase(turn, 0.5 if QUICK else 2.0)  # warm up: tracing, the first steps
     request = {"mode": "agent", "targets": [f"127.0.0.1:{port}"], "duration_ms": 1000, "max_trace_bytes": 256 << 20,
                "host_tracer_level": 2, "device_tracer_level": 1, "python_tracer_level": 0, "delay_ms": 0,
                "interval": INTERVAL, "keep": 8, "max_bytes": 64 << 20, "rpc_timeout": 30.0, "min_s": 0.0,
