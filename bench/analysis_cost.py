@@ -1,72 +1,167 @@
-"""What analysing a capture costs: the analysis worker's wall time and peak memory on a 2 s capture and on a
-capture ten times longer (20 s, about ten times the trace), and the agent's own RSS while it runs.
+"""What analysing a capture costs, side by side in one run:
 
-A real agent and the Keras demo job (with the hook); captures through the control API in the default
-agent mode; the analysis worker is the agent's child process, watched from /proc every 50 ms. ``--quick``: one
-0.5 s capture (CI: the bench runs; at 44c607f the 20 s capture ends analysis_failed on the 180 s timeout).
+1. against trace size: the agent's analysis command (``python -m tfprofd.daemon.analysis DIR --json``, as the agent
+   runs it) against xprof's own conversion of the same trace (``xspace_to_tool_data`` for the four tools the
+   analysis reads, in a fresh process), wall time and peak RSS, alternating; traces of 10, 50 and 300 MB made
+   from a recorded one (tests/fixtures) by repeating its events later in time. Targets: the agent's analysis
+   ≤ 1.5× xprof's own in time and memory; the memory estimate of captures.analysis_max_memory's precheck at
+   or above every measured peak.
+2. end to end: a real agent and the Keras demo job (with the hook), captures of 2 s and of 20 s through the
+   control API: each ends analysed, or ``too_large`` with its advice (default captures.analysis_max_memory),
+   never a timeout; the agent's own RSS.
+
+``--quick``: one small trace, one short capture, no timing targets (CI runs every bench this way).
 """
 
 from __future__ import annotations
 
+import argparse
+import lzma
+import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
-from common import rss_bytes
+from common import ROOT, rss_bytes
 from helpers import AgentProcess, job_reporting, start_training, wait_for
 
-
-def measure(agent: AgentProcess, duration_ms: int) -> dict[str, float]:
-    status, answer = agent.call("POST", "/captures", {"job": "cost", "duration_ms": duration_ms})
-    assert status == 202, answer
-    capture_id = answer["id"]
-    parent = psutil.Process(agent.proc.pid)
-    agent_rss = rss_bytes(agent.proc.pid)
-    agent_max = agent_rss
-    worker_peak = 0
-    analyzing_since = done_at = None
-    while True:
-        record = agent.call("GET", f"/captures/{capture_id}")[1]
-        now = time.monotonic()
-        if record["status"] == "analyzing" and analyzing_since is None:
-            analyzing_since = now
-        if record["status"] not in ("running", "analyzing"):
-            done_at = now
-            break
-        if record["status"] == "analyzing":
-            agent_max = max(agent_max, rss_bytes(agent.proc.pid))
-            for child in parent.children(recursive=True):
-                try:
-                    worker_peak = max(worker_peak, child.memory_info().rss)
-                except psutil.Error:
-                    pass
-        time.sleep(0.05)
-    assert record["status"] == "done", record
-    return {"trace_mb": record["bytes"] / 1e6, "analysis_s": done_at - (analyzing_since or done_at),
-            "worker_peak_mb": worker_peak / 1e6, "agent_before_mb": agent_rss / 1e6, "agent_max_mb": agent_max / 1e6,
-            "steps": record["analysis"].get("steps", 0)}
+FIXTURE = ROOT / "tests" / "fixtures" / "traces" / "plain-input_bottleneck.xplane.pb.xz"
+TOOLS = ("overview_page", "input_pipeline_analyzer", "framework_op_stats", "kernel_stats")
+XPROF_ONLY = """
+import sys, tempfile
+from pathlib import Path
+from xprof.convert import raw_to_tool_data
+with tempfile.TemporaryDirectory() as tmp:
+    linked = Path(tmp) / Path(sys.argv[1]).name
+    linked.symlink_to(sys.argv[1])
+    for tool in sys.argv[2:]:
+        raw_to_tool_data.xspace_to_tool_data([str(linked)], tool, {})
+"""
 
 
-def main() -> None:
+def enlarged(source: bytes, target_bytes: int, out: Path) -> int:
+    """Write ``source``'s trace with its events repeated, each copy later than the last, to about
+    ``target_bytes``; return the size written."""
+    from tfprofd.daemon.protos import xplane_pb2
+
+    space = xplane_pb2.XSpace.FromString(source)
+    copies = max(1, round(target_bytes / len(source)))
+    lines = [line for plane in space.planes for line in plane.lines if len(line.events)]
+    low = min(line.timestamp_ns for line in lines) * 1000
+    span = max(line.timestamp_ns * 1000 + e.offset_ps + e.duration_ps for line in lines for e in line.events) - low
+    for line in lines:
+        events = list(line.events)
+        for i in range(1, copies):
+            for event in events:
+                copy = line.events.add()
+                copy.CopyFrom(event)
+                copy.offset_ps = event.offset_ps + i * (span + 1000)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(space.SerializeToString())
+    return out.stat().st_size
+
+
+def timed(command: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one process run to its end."""
+    started = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    out = proc.stdout.read() if proc.stdout else b""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, f"{command[:4]} exited {proc.returncode}: {out[-500:]!r}"
+    return time.monotonic() - started, usage.ru_maxrss * 1024
+
+
+HEADER = ("trace MB | agent's analysis s / MB peak | xprof's conversion s / MB peak | time ratio | memory ratio | "
+          "estimate MB")
+
+
+def side_by_side(capture: Path, quick: bool) -> bool:
+    """The agent's analysis of one capture against xprof's own conversion of its trace, alternating."""
+    from tfprofd.daemon.analysis.capture import needed_memory
+
+    [trace] = capture.glob("plugins/profile/*/*.xplane.pb")
+    size = trace.stat().st_size
+    agent = [sys.executable, "-m", "tfprofd.daemon.analysis", str(capture), "--json"]
+    xprof = [sys.executable, "-c", XPROF_ONLY, str(trace), *TOOLS]
+    a_s, a_rss = timed(agent)  # alternating: the load of the moment falls on both
+    x_s, x_rss = timed(xprof)
+    a2_s, a2_rss = timed(agent)
+    a_s, a_rss = (a_s + a2_s) / 2, max(a_rss, a2_rss)
+    estimate = needed_memory(trace, 1 << 50)
+    t_ratio, m_ratio = a_s / x_s, a_rss / x_rss
+    print(f"{size / 1e6:8.1f} | {a_s:6.1f} s / {a_rss / 1e6:6.0f} MB | {x_s:6.1f} s / {x_rss / 1e6:6.0f} MB | "
+          f"{t_ratio:5.2f}× | {m_ratio:5.2f}× | {estimate / 1e6:6.0f}", flush=True)
+    ok = True
+    if estimate < a_rss:
+        print(f"FAIL: the memory estimate ({estimate / 1e6:.0f} MB) is under the measured peak", flush=True)
+        ok = False
+    if not quick and (t_ratio > 1.5 or m_ratio > 1.5):
+        print("FAIL: the agent's analysis costs more than 1.5× xprof's own conversion", flush=True)
+        ok = False
+    return ok
+
+
+def against_size(sizes_mb: list[int], quick: bool) -> bool:
+    source = lzma.decompress(FIXTURE.read_bytes())
+    ok = True
+    print(HEADER)
+    for size_mb in sizes_mb:
+        with tempfile.TemporaryDirectory(prefix="tfprofd-bench-") as tmp:
+            trace = Path(tmp) / "capture" / "plugins" / "profile" / "run" / "w0.xplane.pb"
+            enlarged(source, size_mb * 10**6, trace)
+            ok = side_by_side(trace.parent.parent.parent.parent, quick) and ok
+    return ok
+
+
+def end_to_end(durations_ms: list[int], quick: bool) -> bool:
+    """Captures asked for at once: each analysed or too_large with advice, none timed out."""
     with tempfile.TemporaryDirectory() as tmp:
         agent = AgentProcess(Path(tmp), args=["--captures.baseline", "false", "--captures.max-per-hour", "100"],
                              fixtures=False).start()
         job = start_training(agent.hook_port, "--job", "cost", "--seconds", "400")
+        ok = True
         try:
             wait_for(lambda: job_reporting(agent, "cost"), 120, message="the job to report")
             time.sleep(5)  # past the first epoch's tracing
-            for duration_ms in (500,) if "--quick" in sys.argv else (2000, 20000):
-                m = measure(agent, duration_ms)
-                print(f"{duration_ms / 1000:g} s capture: trace {m['trace_mb']:.1f} MB, {m['steps']:.0f} steps; "
-                      f"analysis {m['analysis_s']:.1f} s, worker peak RSS {m['worker_peak_mb']:.0f} MB; agent RSS "
-                      f"{m['agent_before_mb']:.1f} MB before, at most {m['agent_max_mb']:.1f} MB during", flush=True)
+            before = agent_max = rss_bytes(agent.proc.pid)
+            for duration_ms in durations_ms:
+                status, answer = agent.call("POST", "/captures", {"job": "cost", "duration_ms": duration_ms})
+                assert status == 202, answer
+                url = f"/captures/{answer['id']}"
+                record = wait_for(lambda url=url: (r := agent.call("GET", url)[1])["status"]
+                                  not in ("running", "analyzing") and r, 600, message="the capture to end")
+                agent_max = max(agent_max, rss_bytes(agent.proc.pid))
+                print(f"{duration_ms / 1000:.1f} s capture: trace {record['bytes'] / 1e6:.1f} MB, {record['status']}"
+                      f" {record.get('reason') or ''}"
+                      f"{': ' + record['detail'] if record.get('detail') else ''}", flush=True)
+                good = record["status"] == "done" or (record["status"] == "analysis_failed"
+                                                      and record["reason"] == "too_large")
+                ok = ok and good
+                if record["status"] == "done":
+                    ok = side_by_side(Path(record["directory"]), quick) and ok
+            print(f"agent RSS {before / 1e6:.1f} MB before, at most {agent_max / 1e6:.1f} MB after the captures",
+                  flush=True)
         finally:
             job.kill()
             job.wait()
             agent.stop()
+    return ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, no timing targets")
+    parser.add_argument("--sizes", type=int, nargs="*", help="trace sizes in MB (default 10 50 300)")
+    parser.add_argument("--no-e2e", action="store_true", help="the size sweep only")
+    args = parser.parse_args()
+    sizes = args.sizes or ([5] if args.quick else [10, 50, 300])
+    ok = against_size(sizes, args.quick)
+    if not args.no_e2e:
+        ok = end_to_end([500] if args.quick else [2000, 20000], args.quick) and ok
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

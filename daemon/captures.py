@@ -206,25 +206,35 @@ class CaptureService:
             return HostContext(0.0, note=f"measuring the host failed: {type(exc).__name__}: {exc}")
 
     def _analyze(self, record: CaptureRecord) -> None:
-        """Analyse the trace in a worker process (xprof needs 200-450 MB the agent must not hold)."""
-        timeout = self.settings().analysis_timeout
-        module, args = "tfprofd.daemon.analysis", [record.directory, "--json", "--viewer-cache"]
+        """Analyse the trace in a worker process (xprof needs 200 MB and more the agent must not hold); the
+        worker's timeout counts from its start, the wait for a free one is bounded on its own."""
+        settings = self.settings()
+        timeout, queue = settings.analysis_timeout, settings.analysis_queue_timeout
+        module, args = "tfprofd.daemon.analysis", [record.directory, "--json", "--max-memory",
+                                                   str(settings.analysis_max_memory)]
         if (record.context or {}).get("on_pending"):  # split at the drop, say when the trace begins
             drop_at = record.context.get("drop_at")
             module, args = "tfprofd.daemon.analysis.onset", [*args, *(["--drop-at", str(drop_at)] if drop_at else [])]
-        outcome = self.analysis_workers.run(module, args, "", timeout)
+        outcome = self.analysis_workers.run(module, args, "", timeout, queue_timeout=queue)
+        if outcome.queued_s >= 1:
+            log.info("capture %s waited %.0fs for a free analysis worker", record.id, outcome.queued_s)
         raw = outcome.result
-        record.bytes = self.store.capture_bytes(record.id)  # with xprof's cache; before the final status
+        record.bytes = self.store.capture_bytes(record.id)  # before the final status
         result, detail = None, (raw or {}).get("error") if raw is not None else None
+        reason = "too_large" if raw is not None and raw.get("reason") == "too_large" else "analysis_error"
         if raw is not None and detail is None:
             try:
                 result = CaptureAnalysis.from_json(raw)
             except ValueError as exc:
                 detail = f"the analysis worker printed a malformed analysis: {exc}"
         if result is None:
-            detail = detail or {"timeout": f"analysis did not finish within {timeout:.0f}s",
-                                "stopped": "the agent stopped during the analysis"}.get(outcome.status, outcome.detail)
-            reason = "agent_stopped" if outcome.status == "stopped" else "analysis_error"
+            detail = detail or {
+                "timeout": f"analysis did not finish within {timeout:.0f}s (captures.analysis_timeout) of its start; "
+                           f"take shorter captures or raise captures.analysis_timeout",
+                "queued": f"no free analysis worker within {queue:.0f}s (captures.analysis_queue_timeout): too many "
+                          f"captures at once; analyse it with `tfprofd analyze {record.directory}`",
+                "stopped": "the agent stopped during the analysis"}.get(outcome.status, outcome.detail)
+            reason = {"stopped": "agent_stopped", "queued": "analysis_queued"}.get(outcome.status, reason)
             record.status, record.reason, record.detail = "analysis_failed", reason, detail
             log.warning("capture %s: analysis failed: %s (raw files kept in %s)", record.id, detail, record.directory)
             return

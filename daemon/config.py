@@ -91,8 +91,15 @@ class CaptureSettings:
                                   "in agent mode; a larger answer fails the capture.", minimum=1 << 20,
                                   maximum=1 << 30)
     analyze: bool = option(True, opt.parse_bool, "Analyse each capture (in a worker process) after it finishes.")
-    analysis_timeout: float = option(180.0, opt.parse_duration, "An analysis worker is killed after this long.",
-                                     minimum=10, maximum=3600)
+    analysis_timeout: float = option(180.0, opt.parse_duration, "An analysis worker is killed this long after it "
+                                     "starts (time waiting for a free worker not counted).", minimum=10, maximum=3600)
+    analysis_queue_timeout: float = option(3600.0, opt.parse_duration, "A capture waits at most this long for a free "
+                                           "analysis worker (two run at once); past it the capture ends "
+                                           "analysis_failed (analysis_queued).", minimum=10, maximum=7 * 86400)
+    analysis_max_memory: int = option(1536 * 1024**2, opt.parse_int, "Most memory (bytes) one analysis worker may "
+                                      "need, estimated from the trace's size before it starts; a larger trace ends "
+                                      "analysis_failed (too_large). Size the memory limit to twice this plus the "
+                                      "agent's 64 MiB.", minimum=256 * 1024**2, maximum=1 << 40)
     baseline: bool = option(True, opt.parse_bool, "Take a short baseline capture of each job once it trains steadily, "
                             "and compare every later capture of the job with it.")
     baseline_after: float = option(300.0, opt.parse_duration, "A job trains steadily (no rule firing for it) this long "

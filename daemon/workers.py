@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 log = logging.getLogger("tfprofd.workers")
@@ -43,9 +43,10 @@ def die_with_parent() -> None:
 class Outcome:
     """How a worker ended: ``ok`` with the JSON it printed, or a failure reason and what it said."""
 
-    status: str  # ok, timeout, stopped, error
+    status: str  # ok, timeout, queued (no free worker in time), stopped, error
     result: dict[str, Any] | None
     detail: str = ""
+    queued_s: float = 0.0  # how long it waited for a free worker
 
 
 class WorkerPool:
@@ -58,15 +59,21 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
 
-    def run(self, module: str, args: list[str], stdin: str, timeout: float) -> Outcome:
-        deadline = time.monotonic() + timeout
+    def run(self, module: str, args: list[str], stdin: str, timeout: float,
+            queue_timeout: float | None = None) -> Outcome:
+        """Wait at most ``queue_timeout`` (default: ``timeout``) for a free worker, then give the worker
+        ``timeout`` from its start: time spent queued never shortens a worker's own time."""
+        queued_at = time.monotonic()
+        wait = timeout if queue_timeout is None else queue_timeout
         while not self._slots.acquire(timeout=0.2):
             if self._stopping.is_set():
-                return Outcome("stopped", None, "the agent stopped")
-            if time.monotonic() > deadline:
-                return Outcome("timeout", None, f"no free {self.name} worker within {timeout:.0f}s")
+                return Outcome("stopped", None, "the agent stopped", time.monotonic() - queued_at)
+            if time.monotonic() - queued_at > wait:
+                return Outcome("queued", None, f"no free {self.name} worker within {wait:.0f}s",
+                               time.monotonic() - queued_at)
+        queued_s = time.monotonic() - queued_at
         try:
-            return self._run(module, args, stdin, deadline)
+            return replace(self._run(module, args, stdin, time.monotonic() + timeout), queued_s=queued_s)
         finally:
             self._slots.release()
 

@@ -21,7 +21,9 @@ LAST_WORDS = {"scrape.py": "scrape and CPU against the number of reporting jobs"
               "capture_latency.py": "trigger latency, POST -> 'Profiler session started'",
               "scenarios.py": "named correctly: 1 of 1",
               "hostile.py": "RSS ",
-              "analysis_cost.py": " s capture: trace", "continuous_profiling.py": "stop_ms_median"}
+              "analysis_cost.py": " s capture: trace",
+              "job_capture.py": "peers  -> instant  -> last asked  -> record",
+              "continuous_profiling.py": "stop_ms_median"}
 
 
 def test_every_bench_has_a_quick_check():

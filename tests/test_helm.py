@@ -235,3 +235,20 @@ def test_helm_values_match_the_schema_and_bad_values_do_not():
                 {**values, "serviceMonitr": {"enabled": True}}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+def test_the_pod_memory_limit_holds_the_agent_and_two_analyses_at_their_bound(helms, tmp_path):
+    """The chart sizes captures.analysis_max_memory to its memory limit: a trace too large for it ends
+    ``too_large``, never an OOM kill of the pod."""
+    objects = render(helms["v4.2.3"])
+    [daemonset] = kind(objects, "DaemonSet")
+    [configmap] = kind(objects, "ConfigMap")
+    config = tmp_path / "tfprofd.yaml"
+    config.write_text(configmap["data"]["tfprofd.yaml"])
+    cfg = configmod.load(str(config), {}, {})
+    [agent] = daemonset["spec"]["template"]["spec"]["containers"]
+    limit = agent["resources"]["limits"]["memory"]
+    units = {"Mi": 2**20, "Gi": 2**30}
+    limit_bytes = int(limit[:-2]) * units[limit[-2:]]
+    assert 2 * cfg.captures.analysis_max_memory + 64 * 2**20 <= limit_bytes
+    assert cfg.captures.analysis_max_memory >= 1400 * 2**20  # a default 2 s capture of a 1 ms-step job fits (README)

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from .capture import analyze
+from .capture import TooLarge, analyze, check_memory
 from .compare import compare, with_comparison
 from .report import report
 from .xprof import AnalysisError, quiet, write_viewer_cache
@@ -27,9 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path, help="a capture of the same job while it ran well: say what changed")
     parser.add_argument("--json", action="store_true", help="print JSON for machines")
     parser.add_argument("--verbose", action="store_true", help="show xprof's own log lines")
-    parser.add_argument("--viewer-cache", action="store_true", help=argparse.SUPPRESS)  # the agent's own captures
+    parser.add_argument("--viewer-cache", action="store_true",
+                        help="also leave xprof's viewer cache in the capture, for readers who cannot write to it")
+    parser.add_argument("--max-memory", type=int, metavar="BYTES",
+                        help="refuse a trace whose analysis would need more memory than this")
     args = parser.parse_args(argv)
     try:
+        if args.max_memory is not None:
+            check_memory(args.path, args.max_memory)
         result = analyze(args.path, args.verbose)
         if args.baseline:
             result = with_comparison(result, compare(analyze(args.baseline, args.verbose), result))
@@ -38,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_viewer_cache(args.path)
     except (AnalysisError, OSError) as exc:
         if args.json:
-            print(json.dumps({"error": str(exc)}))
+            print(json.dumps({"error": str(exc), "reason": "too_large" if isinstance(exc, TooLarge) else "error"}))
         else:
             print(f"tfprofd analyze: {exc}", file=sys.stderr)
         return 1

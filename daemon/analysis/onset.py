@@ -77,13 +77,16 @@ def onset(windows: list[CaptureAnalysis], drop_at: float | None) -> CaptureAnaly
     return replace(lead, onset=section, summary=f"{lead.summary}; {summary}" if summary else lead.summary)
 
 
-def analyse(capture_dir: Path, drop_at: float | None) -> CaptureAnalysis:
-    """Analyse every snapshot of a capture taken on pending; raises AnalysisError if none can be read."""
-    from .capture import analyze
+def analyse(capture_dir: Path, drop_at: float | None, max_memory: int | None = None) -> CaptureAnalysis:
+    """Analyse every snapshot of a capture taken on pending; raises AnalysisError if none can be read, TooLarge
+    if a snapshot's analysis would need more than ``max_memory`` bytes."""
+    from .capture import analyze, check_memory
     from .xprof import AnalysisError
 
     windows, errors = [], []
     for run in run_dirs(capture_dir):
+        if max_memory is not None:
+            check_memory(run, max_memory)
         try:
             windows.append(analyze(run))
         except AnalysisError as exc:  # one idle or broken snapshot does not lose the others
@@ -95,22 +98,21 @@ def analyse(capture_dir: Path, drop_at: float | None) -> CaptureAnalysis:
 
 def main(argv: list[str] | None = None) -> int:
     from ..workers import die_with_parent
-    from .xprof import AnalysisError, quiet, write_viewer_cache
+    from .capture import TooLarge
+    from .xprof import AnalysisError
 
     die_with_parent()
     parser = argparse.ArgumentParser(prog="tfprofd-onset")
     parser.add_argument("path", type=Path)
     parser.add_argument("--drop-at", type=float, default=None, help="the drop's estimated Unix time")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--viewer-cache", action="store_true")
+    parser.add_argument("--max-memory", type=int, metavar="BYTES",
+                        help="refuse a snapshot whose analysis would need more memory than this")
     args = parser.parse_args(argv)
     try:
-        result = analyse(args.path, args.drop_at)
-        if args.viewer_cache:
-            with quiet(False):
-                write_viewer_cache(args.path)
+        result = analyse(args.path, args.drop_at, args.max_memory)
     except (AnalysisError, OSError) as exc:
-        print(json.dumps({"error": str(exc)}))
+        print(json.dumps({"error": str(exc), "reason": "too_large" if isinstance(exc, TooLarge) else "error"}))
         return 1
     print(json.dumps(result.to_json()), flush=True)
     return 0

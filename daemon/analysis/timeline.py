@@ -130,6 +130,7 @@ def read_events(trace: Path) -> Events:
 
     space = xplane_pb2.XSpace.FromString(trace.read_bytes())
     ev = Events()
+    low, high = float("inf"), float("-inf")
     for plane in space.planes:
         names = {i: m.name for i, m in plane.event_metadata.items()}
         stat_names = {i: m.name for i, m in plane.stat_metadata.items()}
@@ -138,6 +139,7 @@ def read_events(trace: Path) -> Events:
         loop_stat = next((i for i, name in stat_names.items() if name == "iter_num"), None)
         root_stat = next((i for i, name in stat_names.items() if name == "_r"), None)
         function_stat = next((i for i, name in stat_names.items() if name == "tf_function_call"), None)
+        wanted = bool(step_stats) or function_stat is not None or loop_stat is not None
         if plane.name == "Task Environment":
             stats = {stat_names.get(st.metadata_id): st.int64_value or st.uint64_value for st in plane.stats}
             if stats.get("profile_start_time") and stats.get("profile_stop_time"):
@@ -149,33 +151,36 @@ def read_events(trace: Path) -> Events:
         plane_ops: list[tuple[int, int, str]] = []
         kernels: list[tuple[int, int, str]] = []
         for line in plane.lines:
-            base = line.timestamp_ns * 1000
-            compute_thread = host and line.name.startswith(LAUNCH_THREADS)
-            data_thread = host and line.name.startswith("tf_data")
-            thread = ev.threads.setdefault(line.name, []) if compute_thread else None
-            copy_line = "Memcpy" in line.name and "Compute" not in line.name
+            base, line_name = line.timestamp_ns * 1000, line.name  # read once: each read makes a Python object
+            compute_thread = host and line_name.startswith(LAUNCH_THREADS)
+            data_thread = host and line_name.startswith("tf_data")
+            thread = ev.threads.setdefault(line_name, []) if compute_thread else None
+            copy_line = "Memcpy" in line_name and "Compute" not in line_name
             for event in line.events:
                 start = base + event.offset_ps
                 end = start + event.duration_ps
-                ev.low = start if ev.low is None else min(ev.low, start)
-                ev.high = end if ev.high is None else max(ev.high, end)
+                if start < low:
+                    low = start
+                if end > high:
+                    high = end
                 name = names.get(event.metadata_id, "")
                 if thread is not None:
                     thread.append((start, end))
                 if host:
                     if name in ITERATOR_CALLS:
                         ev.iterator_calls.append((start, end))
-                    if step_stats and any(st.metadata_id in step_stats for st in event.stats):
+                    # one pass over the event's stats (the trace's hot loop: a stat read is a Python object made)
+                    stats = {st.metadata_id: st for st in event.stats} if wanted else {}
+                    if step_stats and not step_stats.isdisjoint(stats):
                         ev.host_steps.append((start, end))
-                        ev.marker_steps.append(next((st.int64_value or st.uint64_value for st in event.stats
-                                                     if st.metadata_id == count_stat), 0))
+                        count = stats.get(count_stat)
+                        ev.marker_steps.append((count.int64_value or count.uint64_value) if count is not None else 0)
                         ev.marker_names.add(name)
-                        ev.unrooted |= not any(st.metadata_id == root_stat for st in event.stats)
-                    elif function_stat is not None and any(st.metadata_id == function_stat for st in event.stats):
+                        ev.unrooted |= root_stat not in stats
+                    elif function_stat in stats:
                         ev.functions.setdefault(name, []).append((start, end))
-                    elif loop_stat is not None and not ev.loops and any(
-                            st.metadata_id == loop_stat and (st.int64_value or st.uint64_value) > 0
-                            for st in event.stats):
+                    elif not ev.loops and (loop := stats.get(loop_stat)) is not None and (
+                            loop.int64_value or loop.uint64_value) > 0:
                         ev.loops = True
                     elif "IteratorGetNext" in name and not compute_thread and not data_thread:
                         ev.fetches.append((start, end))
@@ -183,24 +188,26 @@ def read_events(trace: Path) -> Events:
                         ev.ops.append((start, end))  # TF ops are named "name:Type"; executor bookkeeping is not
                     elif data_thread and name and not name.startswith(("Iterator::", "Threadpool", "Executor")):
                         ev.input_ops.add(name.split(":")[0])
-                elif line.name == "Steps":
+                elif line_name == "Steps":
                     ev.device_steps.setdefault(plane.name, []).append((start, end))
                     if device is not None:
                         device.steps.append((start, end))
-                elif line.name == "TensorFlow Ops":
+                elif line_name == "TensorFlow Ops":
                     plane_ops.append((start, end, name))
                 elif name.startswith("Memcpy") or copy_line:
                     # the event's own name first: one stream's line may carry several kinds of copy
-                    kind = copy_kind(name, line.name) or "other"
+                    kind = copy_kind(name, line_name) or "other"
                     ms = event.duration_ps / 1e9
                     ev.copies_ms[kind] = ev.copies_ms.get(kind, 0.0) + ms
                     if device is not None:
                         device.copies_ms[kind] = device.copies_ms.get(kind, 0.0) + ms
-                elif line.name.startswith("Stream"):
+                elif line_name.startswith("Stream"):
                     kernels.append((start, end, name))
                     if device is not None:
                         device.kernels.append((start, end))
         _attach_kernels(sorted(plane_ops), kernels, ev.device_ops)
+    if high >= low:
+        ev.low, ev.high = int(low), int(high)
     return ev
 
 
