@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import psutil
@@ -106,6 +107,8 @@ class Agent:
         self.servers.append(HttpServer("api", self.cfg.api.listen, api, max_body=lambda: self.cfg.api.max_body_bytes,
                                        authenticate=token.authenticate))
         self.captures.on_change = lambda: self.endpoints.exposition.forget(AGENT_PART)
+        capture_workers = self.captures.capture_workers
+        self.endpoints.workers = lambda: {"capture": asdict(capture_workers.state())}
         with self._lock:
             self._apply()
         deadline = self.env.clock.monotonic() + 2.0  # the first scrape has data, unless a collector hangs
@@ -117,6 +120,7 @@ class Agent:
         release_startup_memory()
         self.captures.enforce_retention()
         self._serving = True
+        self.captures.start_workers()
         log.info("tfprofd %s serving metrics on %s:%d, control API on %s:%d, hook reports on %s", __version__,
                  *self.servers[0].address, *self.servers[1].address, self._hook_where())
 

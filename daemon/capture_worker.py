@@ -1,12 +1,14 @@
 """One profile capture, run as a short-lived process so a stuck or crashing capture never hurts the agent.
 
-Reads a JSON request on stdin, writes one JSON result line on stdout. Never imports TensorFlow.
+Started ahead of its request (daemon/workers.py keeps one waiting): it loads gRPC and the protobufs first,
+then reads one JSON request on stdin and writes one JSON result line on stdout. Never imports TensorFlow.
 
 Two modes:
 - ``agent`` (default): a ProfileRequest with ``emit_xspace`` over gRPC to every target at once, all
   told to start at the same instant (``start_timestamp_ns``), so a multi-worker capture covers one
   time window on every worker; each server answers with its trace and this process writes it. gRPC
-  status codes tell the causes apart.
+  status codes tell the causes apart. One target needs no common start; for several, the start lead
+  is measured: the slowest connection to them, doubled, within ``MIN_LEAD_S``..``MAX_LEAD_S``.
 - ``server``: the request TensorBoard's Capture Profile button sends (xprof's client); the training
   processes' profiler servers write the traces into ``logdir`` (several workers go in one
   comma-separated service address, which traces them over one window). Its errors all arrive as one
@@ -16,6 +18,7 @@ Two modes:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import json
 import os
@@ -24,15 +27,17 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .protos import profiler_pb2, xplane_pb2
-from .workers import PR_SET_PDEATHSIG, die_with_parent
+from .workers import PR_SET_PDEATHSIG, die_with_parent, signal_ready
 
 EMPTY_TRACE_BYTES = 1024  # an idle process leaves a ~200-byte .xplane.pb
-START_LEAD_S = 0.3  # time for every worker to receive the request before the common start
+MIN_LEAD_S = 0.02  # several targets: at least this long for every one to receive the request before the start
+MAX_LEAD_S = 0.3  # ... and at most this long
+CONNECT_WAIT_S = 1.0  # how long a target may take to connect before the start (slower: it counts as MAX_LEAD_S)
 
 
 def _probe(address: str, timeout: float = 1.0) -> bool:
@@ -239,14 +244,17 @@ def _not_a_profile(target: str, why: str) -> tuple[str, str]:
     return "not_a_profiler", f"{target}: {_REASON_WORDS['not_a_profiler']} ({why})"
 
 
+def _channel_options(max_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", max_bytes), ("grpc.enable_http_proxy", 0)]
+
+
 def _profile_one(target: str, payload: bytes, deadline: float, max_bytes: int) -> tuple[str, bytes | str]:
     """("ok", xspace bytes) or (reason, detail) for one target."""
     import grpc
     from google.protobuf.message import DecodeError
 
     answered_before = _probe(target)
-    options = [("grpc.max_receive_message_length", max_bytes), ("grpc.enable_http_proxy", 0)]
-    with grpc.insecure_channel(target, options=options) as channel:
+    with grpc.insecure_channel(target, options=_channel_options(max_bytes)) as channel:
         call = channel.unary_unary("/tensorflow.ProfilerService/Profile")
         try:
             answer = call(payload, timeout=deadline)
@@ -282,14 +290,21 @@ def _write_new(path: Path, data: bytes) -> None:
 def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
     targets = request["targets"]
     session = time.strftime("%Y_%m_%d_%H_%M_%S", time.gmtime())
-    lead = max(START_LEAD_S, request["delay_ms"] / 1000)
-    start_ns = request.get("start_at_ns") or time.time_ns() + int(lead * 1e9)  # a job-wide capture's instant
-    deadline = max(60.0, 2 * request["duration_ms"] / 1000) + lead
-    started = time.time()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(targets)) as pool:
-        answers = list(pool.map(lambda t: _profile_one(t, profile_request(request, t.rpartition(":")[0], session,
-                                                                          start_ns),
-                                                       deadline, request["max_trace_bytes"]), targets))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(targets))
+    with pool, _connections(targets, request["max_trace_bytes"]) as ready:
+        def each(call: Callable[[str], Any]) -> list[Any]:  # one target: no thread to start and hand over to
+            return [call(targets[0])] if len(targets) == 1 else list(pool.map(call, targets))
+
+        if request.get("start_at_ns"):  # a job-wide capture: the coordinating agent chose the instant
+            start_ns = request["start_at_ns"]
+            lead = max(0.0, start_ns / 1e9 - time.time())
+        else:
+            lead = max(start_lead(each(ready)), request["delay_ms"] / 1000)
+            start_ns = time.time_ns() + int(lead * 1e9) if lead else 0  # 0: start at once
+        deadline = max(60.0, 2 * request["duration_ms"] / 1000) + lead
+        started = time.time()
+        answers = each(lambda t: _profile_one(t, profile_request(request, t.rpartition(":")[0], session, start_ns),
+                                              deadline, request["max_trace_bytes"]))
     files: list[Path] = []
     failures = []
     for target, (outcome, data) in zip(targets, answers, strict=True):
@@ -302,7 +317,8 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
         _write_new(path, data)  # type: ignore[arg-type]
         files.append(path)
     if not failures:
-        return _result("done", None, f"{len(files)} trace file(s), one window from {start_ns / 1e9:.3f}", logdir,
+        window = f"one window from {start_ns / 1e9:.3f}" if start_ns else "started at once"
+        return _result("done", None, f"{len(files)} trace file(s), {window}", logdir,
                        started, files)
     reason = failures[0][0] if len(failures) == len(targets) else "partial"
     detail = "; ".join(str(d) for _, d in failures)
@@ -312,8 +328,59 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
     return {**_result("failed", reason, detail, logdir, started, files), "died": died}
 
 
+def start_lead(connect_s: list[float | None]) -> float:
+    """Seconds between sending the requests and the common start: none for one target (nothing to line up);
+    for several, twice the slowest connection (None: it did not connect, its call fails anyway), bounded."""
+    if len(connect_s) < 2:
+        return 0.0
+    slowest = max((t for t in connect_s if t is not None), default=MAX_LEAD_S)
+    return min(MAX_LEAD_S, max(MIN_LEAD_S, 2 * slowest))
+
+
+@contextlib.contextmanager
+def _connections(targets: list[str], max_bytes: int) -> Iterator[Callable[[str], float | None]]:
+    """For several targets: connect to each and time it, with the profile call's channel options (so gRPC
+    can share the connection with it). One target: nothing to measure."""
+    import grpc
+
+    channels: list[grpc.Channel] = []
+
+    def ready(target: str) -> float | None:
+        if len(targets) < 2:
+            return None
+        channel = grpc.insecure_channel(target, options=_channel_options(max_bytes))
+        channels.append(channel)
+        began = time.monotonic()
+        try:
+            grpc.channel_ready_future(channel).result(timeout=CONNECT_WAIT_S)
+        except grpc.FutureTimeoutError:
+            return None
+        return time.monotonic() - began
+
+    try:
+        yield ready
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+def _warm_up() -> None:
+    """What a capture needs, done before its request arrives (a pre-started worker then waits, ready): gRPC
+    loaded and its core started (its threads, the name resolver), the thread pool's module imported."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: F401  (loaded lazily by concurrent.futures)
+
+    import grpc
+
+    with grpc.insecure_channel("localhost:1", options=[("grpc.enable_http_proxy", 0)]) as channel:
+        with contextlib.suppress(grpc.FutureTimeoutError):
+            grpc.channel_ready_future(channel).result(timeout=0.05)  # port 1: refused at once, nothing sent
+
+
 def main() -> int:
     die_with_parent()
+    _warm_up()
+    signal_ready()
+
     request = json.load(sys.stdin)
     logdir = Path(request["logdir"])
     try:

@@ -30,6 +30,7 @@ from .workers import WorkerPool
 
 log = logging.getLogger("tfprofd.captures")
 
+CAPTURE_WORKER = "tfprofd.daemon.capture_worker"
 AGENT_MODE_DIR = 0o750  # the agent writes the trace itself: its group may read, nobody else
 
 
@@ -42,7 +43,7 @@ class CaptureService:
         self.policy = policy
         self.jobs = jobs
         self.clock = clock
-        self.capture_workers = WorkerPool("capture", limit=8)
+        self.capture_workers = WorkerPool("capture", limit=8, prestart=CAPTURE_WORKER)  # start(): one waits
         self.analysis_workers = WorkerPool("analysis", limit=2)  # xprof needs 200-450 MB each
         self._records: dict[str, CaptureRecord] = {}
         self._finished: dict[tuple[str, str], int] = {}
@@ -164,7 +165,10 @@ class CaptureService:
                  before: HostLoad | None = None) -> None:
         timeout = self.settings().timeout + record.duration_ms / 1000
         window = self._host(lambda host: host.open(record.job))
-        outcome = self.capture_workers.run("tfprofd.daemon.capture_worker", [], json.dumps(request), timeout)
+        outcome = self.capture_workers.run(CAPTURE_WORKER, [], json.dumps(request), timeout)
+        if outcome.pid is not None:
+            log.info("capture %s: worker pid %d (%s)", record.id, outcome.pid,
+                     "pre-started" if outcome.prestarted else "started on request: none was waiting")
         if isinstance(window, HostContext):  # the window could not be opened: the record says why
             record.host = window
         elif window is not None:
@@ -318,6 +322,10 @@ class CaptureService:
 
     # ---- lifecycle ----
 
+    def start_workers(self) -> None:
+        """Start keeping a capture worker waiting for the next capture."""
+        self.capture_workers.start()
+
     def stop(self, timeout: float = 1.0) -> None:
         """Kill running workers; their records finish as failed (agent_stopped), not silently lost.
 
@@ -353,6 +361,15 @@ class CaptureService:
                       (([rule], n) for rule, n in discarded))
         yield gauge("captures_running", "Captures in progress (tracing or being analysed).", [],
                     [((), sum(1 for r in records if r.status in ACTIVE))])
+        spare = self.capture_workers.state()
+        yield gauge("capture_worker_ready", "Whether a capture worker is started and waiting for the next capture "
+                    "(1) or not (0: the next capture starts one, which takes longer).", [], [((), float(spare.ready))])
+        yield counter("capture_workers_used", "Capture workers handed a capture, by how they started: prestarted "
+                      "(waiting, ready) or cold (none was waiting).", ["start"],
+                      (([start], n) for start, n in sorted(spare.used.items())))
+        yield counter("capture_worker_idle_exits", "Pre-started capture workers that exited while waiting (killed, "
+                      "crashed) and were replaced; /healthz says what happened to the latest.", [],
+                      [((), spare.idle_exits)])
         yield gauge("capture_held_seconds", "Seconds left before automatic captures of the job run again (a process "
                     "of it died during a capture; captures.hold).", ["training_job"],
                     (([job], left) for job, left in sorted(self.policy.held().items())))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client.core import Metric
 
@@ -35,6 +36,7 @@ class Endpoints:
         self.servers = servers
         self.stopping = stopping
         self.exposition = Exposition()
+        self.workers: Callable[[], dict[str, Any]] = dict  # the worker pools' state, shown (not judged) by /healthz
         router.add("GET", "/", self.landing, inline=True)
         router.add("GET", "/metrics", self.metrics, inline=True)
         router.add("GET", "/healthz", self.healthz, inline=True)
@@ -82,7 +84,7 @@ class Endpoints:
                              "last_sample_timestamp_seconds": s.last_sample_wall}
                       for name, s in sorted(states(self.runners()).items())}
         healthy = not self.stopping() and all(c["healthy"] for c in collectors.values())
-        body = {"status": "ok" if healthy else "unhealthy", "collectors": collectors}
+        body = {"status": "ok" if healthy else "unhealthy", "collectors": collectors, "workers": self.workers()}
         problem = self.storage_problem()
         if problem:  # captures cannot be stored; restarting the agent would not help, so it stays 200
             body["storage_problem"] = problem

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.tf, pytest.mark.servers]
 # What each bench prints last when it ran to the end (a bench that only exits 0 proves less).
 LAST_WORDS = {"scrape.py": "scrape and CPU against the number of reporting jobs",
               "hook_overhead.py": "one report (the reporter thread's work each second)",
-              "capture_latency.py": "trigger latency, POST -> 'Profiler session started'",
+              "capture_latency.py": "ratio tfprofd / TensorFlow's client:",
               "scenarios.py": "named correctly: 1 of 1",
               "hostile.py": "RSS ",
               "analysis_cost.py": " s capture: trace",

@@ -1,0 +1,131 @@
+"""The capture worker that waits, pre-started: used by the next capture, replaced when it exits, still isolated.
+
+The training job's profiler here is a TCP listener that never answers (a stuck profiler server): no
+TensorFlow needed, and every capture ends at the agent's timeout with its worker killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+import psutil
+import pytest
+
+from tfprofd.exporter.hook import Reporter
+
+from helpers import AgentProcess, http, job_reporting, metric_value, wait_for
+
+WORKER = "tfprofd.daemon.capture_worker"
+
+
+@pytest.fixture
+def rig(tmp_path):
+    """An agent with a 5 s capture timeout (the least allowed) and a job whose profiler accepts, never answers."""
+    stuck = socket.socket()
+    stuck.bind(("127.0.0.1", 0))
+    stuck.listen(16)
+    agent = AgentProcess(tmp_path, args=["--captures.timeout", "5s", "--captures.duration", "500ms",
+                                         "--captures.baseline", "false", "--captures.analyze", "false"]).start()
+    reporter = Reporter(job="stuck", profiler=False, addr=f"127.0.0.1:{agent.hook_port}")
+    reporter.profiler_address = f"127.0.0.1:{stuck.getsockname()[1]}"
+    reporter.phase = "train"
+    reporter.start()
+    try:
+        wait_for(lambda: job_reporting(agent, "stuck"), 20, message="the job to report")
+        yield agent
+    finally:
+        reporter.close()
+        agent.stop()
+        stuck.close()
+
+
+def workers(agent: AgentProcess) -> list[psutil.Process]:
+    """The agent's capture worker processes that are alive."""
+    found = []
+    for child in psutil.Process(agent.proc.pid).children():
+        try:
+            if WORKER in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def spare(agent: AgentProcess) -> psutil.Process:
+    """The one worker waiting for a capture (none is running), once it says it is ready."""
+    waiting = wait_for(lambda: (found := workers(agent)) and len(found) == 1 and found[0], 30,
+                       message="a capture worker waiting before any capture")
+    wait_for(lambda: (h := capture_health(agent))["ready"] and h["pid"] == waiting.pid, 30,
+             message="the waiting worker to be ready")
+    return waiting
+
+
+def capture_health(agent: AgentProcess) -> dict:
+    status, body = http("GET", agent.url + "/healthz")
+    assert status == 200, body
+    return body["workers"]["capture"]
+
+
+def test_a_capture_runs_in_the_worker_started_before_it_and_a_stuck_one_is_killed_at_the_timeout(rig):
+    agent = rig
+    waiting = spare(agent)
+    status, answer = agent.call("POST", "/captures", {"job": "stuck"})
+    assert status == 202, answer
+    record = wait_for(lambda: (r := agent.call("GET", f"/captures/{answer['id']}")[1])["status"] != "running" and r,
+                      30, message="the stuck capture to end")
+    assert (record["status"], record["reason"]) == ("failed", "timeout"), record
+    assert "the worker was killed" in record["detail"]
+    assert f"capture {answer['id']}: worker pid {waiting.pid} (pre-started)" in agent.log()
+    wait_for(lambda: not waiting.is_running() or waiting.status() == psutil.STATUS_ZOMBIE, 10,
+             message="the stuck worker to be gone")
+    replacement = spare(agent)
+    assert replacement.pid != waiting.pid
+    text = agent.scrape()
+    assert metric_value(text, "tfprofd_capture_workers_used_total", start="prestarted") == 1
+    assert metric_value(text, "tfprofd_capture_workers_used_total", start="cold") == 0
+    assert metric_value(text, "tfprofd_capture_worker_ready") == 1
+
+
+def test_a_waiting_worker_that_is_killed_is_replaced_and_health_says_so(rig):
+    agent = rig
+    waiting = spare(agent)
+    os.kill(waiting.pid, signal.SIGKILL)
+    replacement = wait_for(lambda: (found := workers(agent)) and found[0].pid != waiting.pid and found[0], 30,
+                           message="a new waiting worker")
+    health = wait_for(lambda: (h := capture_health(agent))["pid"] == replacement.pid and h["ready"] and h, 30,
+                      message="/healthz to show the new worker ready")
+    assert health["idle_exits"] == 1
+    assert f"worker (pid {waiting.pid}) exited while idle with signal SIGKILL" in health["last_exit"], health
+    assert metric_value(agent.scrape(), "tfprofd_capture_worker_idle_exits_total") == 1
+    assert f"pid {waiting.pid}) exited while idle" in agent.log()
+    status, answer = agent.call("POST", "/captures", {"job": "stuck"})  # the replacement takes the capture
+    assert status == 202, answer
+    wait_for(lambda: f"capture {answer['id']}: worker pid {replacement.pid} (pre-started)" in agent.log(), 30,
+             message="the capture to end in the replacement")
+
+
+def test_sigterm_leaves_no_capture_worker_behind(rig):
+    agent = rig
+    waiting = spare(agent)
+    status, answer = agent.call("POST", "/captures", {"job": "stuck", "duration_ms": 20000})
+    assert status == 202, answer
+    both = wait_for(lambda: (found := workers(agent)) and len(found) == 2 and found, 30,
+                    message="the capture's worker and the next one waiting")
+    assert waiting.pid in {p.pid for p in both}
+    agent.stop()
+    assert agent.proc.returncode == 0
+    wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in both), 10,
+             message="every capture worker to be gone")
+
+
+def test_the_start_lead_is_none_for_one_target_and_follows_the_slowest_connection_for_several():
+    from tfprofd.daemon.capture_worker import MAX_LEAD_S, MIN_LEAD_S, start_lead
+
+    assert start_lead([None]) == 0.0  # one process: nothing to line up, it starts at once
+    assert start_lead([0.0005, 0.001]) == MIN_LEAD_S  # loopback: the floor
+    assert start_lead([0.01, 0.06]) == pytest.approx(0.12)  # twice the slowest
+    assert start_lead([0.01, 2.0]) == MAX_LEAD_S  # bounded
+    assert start_lead([0.01, None]) == pytest.approx(0.02)  # one did not connect: its call fails anyway
+    assert start_lead([None, None]) == MAX_LEAD_S
