@@ -25,20 +25,21 @@ from tfprofd.exporter.registry import COLLECTORS, signal_catalog
 
 from . import __version__, logs
 from . import config as configmod
+from .analysis.onset import drop_time
 from .api import ControlApi, Token, alert_is_for_host
 from .baselines import Baselines
 from .captures import CaptureService
 from .cluster import PeerFinder
-from .errors import DomainError
 from .forwarding import AlertForwarder
 from .health import AGENT_PART, Endpoints
 from .hostcontext import HostMonitor
 from .httpserver import EventLoop, HttpServer, Router
 from .jobcapture import JobCaptures, PeerClient
 from .jobs import JobRegistry
+from .pending import on_transition
 from .policy import CapturePolicy
 from .records import RecordStore, make_dir
-from .rules import FIRING, Engine, log_transition
+from .rules import PENDING, Engine, Transition, log_transition
 from .sampler import CollectorRunner, Snapshot
 
 log = logging.getLogger("tfprofd.agent")
@@ -164,15 +165,21 @@ class Agent:
                 log.info("collector %s disabled", name)
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:
-        """Evaluate the rules on a new sample; a firing rule that captures asks for a capture."""
+        """Evaluate the rules on a new sample; a rule that captures asks for a capture when it goes pending
+        (captures.on_pending) or fires."""
         for t in self.engine.observe(snapshot.collector, snapshot.monotonic, snapshot.signals, self.jobs.is_training):
             log_transition(t)
-            if t.kind == FIRING and t.rule.capture and self.captures is not None:
-                try:
-                    self.captures.request("rule", t.labels.get("training_job"), t.labels.get("gpu"), rule=t.rule.name,
-                                          cooldown=t.rule.cooldown)
-                except DomainError as exc:
-                    log.info("rule %s: no capture: %s", t.rule.name, exc.reason)
+            if t.rule.capture and self.captures is not None:
+                on_transition(t, self.captures, self.cfg.captures.on_pending, self.cfg.core.interval,
+                              self._drop_at(t) if t.kind == PENDING else None)
+
+    def _drop_at(self, t: Transition) -> float | None:
+        """When the job's steps slowed (Unix time), from the hook's step times, if they show it."""
+        job = t.labels.get("training_job")
+        if not job:
+            return None
+        at = drop_time(self.engine.history("step_seconds", {"training_job": job}))
+        return None if at is None else at + self.env.clock.time() - self.env.clock.monotonic()
 
     def reload(self) -> bool:
         """Re-read the config; on any problem keep the running one and log every problem."""

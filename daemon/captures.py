@@ -26,6 +26,7 @@ from .config import CaptureSettings
 from .errors import AmbiguousJob, DomainError, StorageError
 from .hostcontext import HostContext, HostLoad, HostMonitor, apply
 from .jobs import JobRegistry, Target
+from .pending import PendingCaptures, PendingEntry, run_on_pending
 from .policy import Admission, CapturePolicy
 from .records import ACTIVE, FINISHED, TRIGGERS, CaptureRecord, RecordStore, new_id
 from .workers import WorkerPool
@@ -61,6 +62,8 @@ class CaptureService:
         self.analysis_workers = WorkerPool("analysis", limit=2)  # xprof needs 200-450 MB each
         self._records: dict[str, CaptureRecord] = {}
         self._finished: dict[tuple[str, str], int] = {}
+        self._discarded: dict[str, int] = {}  # rule -> captures taken on pending and discarded
+        self.pending = PendingCaptures(clock.monotonic)
         self._threads: set[threading.Thread] = set()
         self._stopped = False
         self._lock = threading.Lock()
@@ -79,7 +82,8 @@ class CaptureService:
 
     def request(self, trigger: str, job: str | None = None, gpu: str | None = None, *, one_job: bool = False,
                 duration_ms: int | None = None, options: dict[str, int] | None = None, rule: str | None = None,
-                alert: str | None = None, cooldown: float = 0.0, start_at_ns: int | None = None) -> list[CaptureRecord]:
+                alert: str | None = None, cooldown: float = 0.0, start_at_ns: int | None = None,
+                pending: PendingEntry | None = None) -> list[CaptureRecord]:
         """Start captures for a job, a GPU, or every job (one per job). Raises the registry's and the policy's
         domain errors, AmbiguousJob (``one_job`` and several match) and StorageError."""
         groups = self.jobs.targets(job, gpu)
@@ -91,7 +95,8 @@ class CaptureService:
         for group in groups:  # one job's refusal does not stop the others' captures
             try:
                 records.append(self.start(trigger, group, duration_ms=duration_ms, options=options, rule=rule,
-                                          alert=alert, gpu=gpu, cooldown=cooldown, start_at_ns=start_at_ns))
+                                          alert=alert, gpu=gpu, cooldown=cooldown, start_at_ns=start_at_ns,
+                                          pending=pending))
             except DomainError as exc:
                 errors.append(exc)
                 if len(groups) > 1:
@@ -102,8 +107,10 @@ class CaptureService:
 
     def start(self, trigger: str, targets: list[Target], *, duration_ms: int | None = None,
               options: dict[str, int] | None = None, rule: str | None = None, alert: str | None = None,
-              gpu: str | None = None, cooldown: float = 0.0, start_at_ns: int | None = None) -> CaptureRecord:
-        """Start one capture; at ``start_at_ns`` (Unix ns, a job-wide capture's common instant) if given."""
+              gpu: str | None = None, cooldown: float = 0.0, start_at_ns: int | None = None,
+              pending: PendingEntry | None = None) -> CaptureRecord:
+        """Start one capture; at ``start_at_ns`` (Unix ns, a job-wide capture's common instant) if given;
+        ``pending``: started as its rule went pending, kept only if the rule fires."""
         s = self.settings()
         budget = None if trigger == "baseline" else s.max_per_hour  # baselines keep their own schedule
         admission = self.policy.admit(targets, budget, rule=rule, cooldown=cooldown, automatic=trigger != "manual")
@@ -133,7 +140,7 @@ class CaptureService:
             ahead_ms = int((start_at_ns / 1e9 - self.clock.time()) * 1000)
             request.update(start_at_ns=start_at_ns, delay_ms=max(0, ahead_ms))
         before = self.host.load_before() if self.host is not None else None
-        thread = threading.Thread(target=self._run, args=(record, request, admission, before), daemon=True,
+        thread = threading.Thread(target=self._run, args=(record, request, admission, before, pending), daemon=True,
                                   name=f"tfprofd-capture-{record.id}")
         with self._lock:
             self._threads.add(thread)
@@ -143,9 +150,12 @@ class CaptureService:
     # ---- running one ----
 
     def _run(self, record: CaptureRecord, request: dict[str, Any], admission: Admission,
-             before: HostLoad | None = None) -> None:
+             before: HostLoad | None = None, pending: PendingEntry | None = None) -> None:
         try:
-            self._capture(record, request, admission, before)
+            if pending is not None:  # started when its rule went pending: kept only if the rule fires
+                run_on_pending(self, record, request, admission, pending, before)
+            else:
+                self._capture(record, request, admission, before)
             if record.status == "analyzing":
                 self._save(record)
                 self._analyze(record)
@@ -220,9 +230,11 @@ class CaptureService:
         settings = self.settings()
         timeout, queue = settings.analysis_timeout, settings.analysis_queue_timeout
         budget = settings.analysis_max_memory or default_analysis_memory()
-        outcome = self.analysis_workers.run("tfprofd.daemon.analysis",
-                                            [record.directory, "--json", "--max-memory", str(budget)],
-                                            "", timeout, queue_timeout=queue)
+        module, args = "tfprofd.daemon.analysis", [record.directory, "--json", "--max-memory", str(budget)]
+        if (record.context or {}).get("on_pending"):  # split at the drop, say when the trace begins
+            drop_at = record.context.get("drop_at")
+            module, args = "tfprofd.daemon.analysis.onset", [*args, *(["--drop-at", str(drop_at)] if drop_at else [])]
+        outcome = self.analysis_workers.run(module, args, "", timeout, queue_timeout=queue)
         if outcome.queued_s >= 1:
             log.info("capture %s waited %.0fs for a free analysis worker", record.id, outcome.queued_s)
         raw = outcome.result
@@ -258,6 +270,10 @@ class CaptureService:
                      record.rule, record.job)
         record.status, record.analysis = "done", result
         log.info("capture %s analysed: job=%s %s", record.id, record.job, result.summary)
+
+    def count_discarded(self, rule: str) -> None:
+        with self._lock:
+            self._discarded[rule] = self._discarded.get(rule, 0) + 1
 
     def _save(self, record: CaptureRecord) -> None:
         if self._stopped and record.status in ACTIVE:  # stop() saved it final
@@ -330,6 +346,7 @@ class CaptureService:
 
         A capture thread that has not ended within ``timeout`` (a busy host) may not end before the process
         exits: its record is saved final here, and nothing saves it active again."""
+        self.pending.stop()
         self.capture_workers.stop()
         self.analysis_workers.stop()
         with self._lock:
@@ -350,9 +367,13 @@ class CaptureService:
         with self._lock:
             records = list(self._records.values())
             counts = {(t, s): self._finished.get((t, s), 0) for t in TRIGGERS for s in FINISHED}
+            discarded = sorted(self._discarded.items())
         known = self.jobs.jobs()
         yield counter("captures", "Captures finished since the agent started, by trigger and final status.",
                       ["trigger", "status"], (([t, s], n) for (t, s), n in sorted(counts.items())))
+        yield counter("captures_discarded", "Captures started when their rule went pending and discarded because "
+                      "the rule did not fire (they still counted against the hourly budget and cooldown).", ["rule"],
+                      (([rule], n) for rule, n in discarded))
         yield gauge("captures_running", "Captures in progress (tracing or being analysed).", [],
                     [((), sum(1 for r in records if r.status in ACTIVE))])
         spare = self.capture_workers.state()

@@ -111,6 +111,18 @@ class CaptureSettings:
                                    maximum=30 * 86400)
     baseline_duration: float = option(1.0, opt.parse_duration, "How long a baseline capture traces.", minimum=0.1,
                                       maximum=2)
+    on_pending: bool = option(True, opt.parse_bool, "Start a rule's capture when the rule goes pending, not when it "
+                              "fires: the trace then holds the start of a slowdown; kept only if the rule fires, "
+                              "else discarded (it still counts against max_per_hour and the rule's cooldown).")
+    snapshots: bool = option(True, opt.parse_bool, "With on_pending, in agent mode: arm TensorFlow's continuous "
+                             "profiling while the rule is pending and keep a ring of snapshots (TensorFlow 2.21+; "
+                             "older servers fall back to one capture at pending).")
+    snapshot_interval: float = option(2.0, opt.parse_duration, "How often an armed job's profile is snapshotted "
+                                      "into the ring.", minimum=0.5, maximum=60)
+    snapshot_keep: int = option(8, opt.parse_int, "Snapshots the ring holds (oldest dropped first).", minimum=1,
+                                maximum=64)
+    snapshot_max_bytes: int = option(64 * 1024**2, opt.parse_int, "Bytes the ring holds (oldest snapshots dropped "
+                                     "first).", minimum=1 << 20, maximum=1 << 30)
     dir_mode: int = option(0o770, opt.parse_dir_mode, "Mode of a capture directory in server mode, where the "
                            "training process writes into it (never world-writable; agent mode uses 0750).",
                            raw_text=True)

@@ -142,6 +142,8 @@ def main() -> None:
     p.add_argument("--heavy-map", type=int, default=0, help="size of a costly per-record matmul in map")
     p.add_argument("--post-ms", type=float, default=0.0, help="milliseconds of post-processing after each batch")
     p.add_argument("--slow-after", type=float, default=0.0, help="turn the --map-delay read cost on after N s")
+    p.add_argument("--slow-for", type=float, default=0.0, help="with --slow-after: recover after this many s")
+    p.add_argument("--slow-log", default="", help="append 'slow <unix time>' and 'recovered <unix time>' here")
     p.add_argument("--slow-on-signal", action="store_true",
                    help="turn the --map-delay read cost on when the process gets SIGUSR1 (the demo's injection)")
     p.add_argument("--seconds", type=float, default=0.0, help="train on a repeating dataset for this long")
@@ -162,9 +164,18 @@ def main() -> None:
     ds = dataset(args, repeat=args.seconds > 0)
     m = model(args.features, args.width, args.steps_per_execution)
     if args.slow_after:
-        timer = threading.Timer(args.slow_after, lambda: SLOW.update(delay=args.map_delay))
-        timer.daemon = True
-        timer.start()
+        def slow(delay: float, what: str) -> None:
+            SLOW.update(delay=delay)
+            if args.slow_log:
+                with open(args.slow_log, "a") as f:
+                    f.write(f"{what} {time.time()}\n")
+
+        timers = [threading.Timer(args.slow_after, slow, (args.map_delay, "slow"))]
+        if args.slow_for:
+            timers.append(threading.Timer(args.slow_after + args.slow_for, slow, (0.0, "recovered")))
+        for timer in timers:
+            timer.daemon = True
+            timer.start()
     if args.slow_on_signal:
         signal.signal(signal.SIGUSR1, lambda *_: SLOW.update(delay=args.map_delay))
     if args.mode == "fit":

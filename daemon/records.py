@@ -40,7 +40,7 @@ log = logging.getLogger("tfprofd.records")
 ID = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{6}$")
 TRIGGERS = ("rule", "alert", "manual", "baseline")
 ACTIVE = ("running", "analyzing")
-FINISHED = ("done", "failed", "analysis_failed")
+FINISHED = ("done", "failed", "analysis_failed", "discarded")  # discarded: taken on pending, the rule never fired
 
 
 @dataclass

@@ -226,11 +226,12 @@ def holds(condition: Condition, history: deque[tuple[float, float]], now: float)
 
 
 PENDING, FIRING, RESOLVED = "pending", "firing", "resolved"
+CLEARED = "cleared"  # a pending rule's condition stopped holding before the rule fired
 
 
 @dataclass(frozen=True)
 class Transition:
-    kind: str  # PENDING, FIRING or RESOLVED
+    kind: str  # PENDING, FIRING, RESOLVED or CLEARED
     rule: Rule
     labels: dict[str, str]
     value: float | None
@@ -346,6 +347,8 @@ class Engine:
                 if not ok:
                     if state.active:
                         out.append(Transition(RESOLVED, rule, labels, value, "condition cleared"))
+                    elif state.pending_since is not None:
+                        out.append(Transition(CLEARED, rule, labels, value, "condition cleared before firing"))
                     state.pending_since = None
                     self._set_active(labels_key, state, False)
                     continue
@@ -361,7 +364,15 @@ class Engine:
                 if state.active:
                     out.append(Transition(RESOLVED, rule, dict(key[1]), state.value, "series gone"))
                     self._set_active(key[1], state, False)
+                elif state.pending_since is not None:
+                    out.append(Transition(CLEARED, rule, dict(key[1]), state.value, "series gone"))
         return out
+
+    def history(self, signal: str, labels: dict[str, str]) -> list[tuple[float, float]]:
+        """The recent (monotonic time, value) samples of every series of ``signal`` matching ``labels``."""
+        with self._lock:
+            return sorted(p for key, h in self._history.get(signal, {}).items()
+                          if all(dict(key).get(k) == v for k, v in labels.items()) for p in h)
 
     def firing_for(self, job: str) -> bool:
         """Whether any rule fires for a series of this training job."""
@@ -390,6 +401,8 @@ def log_transition(t: Transition) -> None:
     where = describe(t.labels)
     if t.kind == PENDING:
         log.info("rule %s pending for %s (value %s, fires after %gs)", t.rule.name, where, value, t.rule.for_seconds)
+    elif t.kind == CLEARED:
+        log.info("rule %s no longer pending for %s (%s; value %s)", t.rule.name, where, t.why, value)
     elif t.kind == FIRING:
         log.warning("rule %s firing for %s: %s (value %s)", t.rule.name, where, t.rule.description, value)
     else:

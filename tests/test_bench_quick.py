@@ -22,7 +22,8 @@ LAST_WORDS = {"scrape.py": "scrape and CPU against the number of reporting jobs"
               "scenarios.py": "named correctly: 1 of 1",
               "hostile.py": "RSS ",
               "analysis_cost.py": " s capture: trace",
-              "job_capture.py": "peers  -> instant  -> last asked  -> record"}
+              "job_capture.py": "peers  -> instant  -> last asked  -> record",
+              "continuous_profiling.py": "stop_ms_median"}
 
 
 def test_every_bench_has_a_quick_check():

@@ -206,10 +206,11 @@ def test_gpu_utilization_drop_fires_the_rule_and_captures_the_job_on_that_gpu(ri
 
         record = wait_for(rule_capture, 30, message="a rule-triggered capture")
         assert record["rule"] == "low_gpu_utilization" and record["gpu"] == "1" and record["job"] == "resnet"
-        assert record["requested_at"] - dropped_at >= 3.0 - 0.05  # not before `for` has passed
+        assert record["requested_at"] - dropped_at < 3.0  # when the rule went pending, before its `for` passed
         record = wait_capture(agent, record["id"])
-        assert record["status"] == "done", record
-        assert (Path(record["directory"]) / record["files"][0]).stat().st_size > 100_000
+        assert record["status"] == "done", record  # kept: the rule fired
+        assert record["context"]["mode"] == "snapshots"  # TensorFlow 2.21: continuous profiling while pending
+        assert sum((Path(record["directory"]) / f).stat().st_size for f in record["files"]) > 100_000
         text = agent.scrape()
         assert metric_value(text, "tfprofd_rule_active", rule="low_gpu_utilization", gpu="1") == 1
         assert metric_value(text, "tfprofd_rule_active", rule="low_gpu_utilization", gpu="0") == 0

@@ -115,8 +115,8 @@ def test_a_capture_whose_worker_raises_ends_failed_and_frees_its_process(tmp_pat
     record = captures.get(record.id)
     assert (record.status, record.reason) == ("failed", "error") and "could not even start" in record.detail
     assert captures.policy.busy() == frozenset()
-    saved = json.loads((tmp_path / "records" / f"{record.id}.json").read_text())
-    assert saved["status"] == "failed"
+    path = tmp_path / "records" / f"{record.id}.json"  # saved once the thread ends, after the status is final
+    wait_for(lambda: json.loads(path.read_text())["status"] == "failed", 10, message="the failed record saved")
     running = next(f for f in captures.collect() if f.name == "tfprofd_captures_running")
     assert running.samples[0].value == 0
 

@@ -547,6 +547,62 @@ class HostVerdict:
 
 
 @dataclass(frozen=True)
+class OnsetWindow:
+    """One snapshot of a capture taken on pending: its window (Unix ns), steps and what bound them."""
+
+    run: str
+    window: tuple[int, int] | None
+    steps: int
+    cycle_ms: float | None
+    bottleneck: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "window": list(self.window) if self.window else None, "steps": self.steps,
+                "cycle_ms": self.cycle_ms, "bottleneck": self.bottleneck}
+
+    @classmethod
+    def from_json(cls, data: Any) -> OnsetWindow:
+        data = _obj(data, "onset window")
+        window = data.get("window")
+        steps = data.get("steps", 0)
+        return cls(run=_str(data, "run"), window=(int(window[0]), int(window[1])) if isinstance(window, list)
+                   and len(window) == 2 else None, steps=steps if isinstance(steps, int) else 0,
+                   cycle_ms=_float(data, "cycle_ms"), bottleneck=_str(data, "bottleneck", "unknown"))
+
+
+@dataclass(frozen=True)
+class Onset:
+    """Where a capture taken on pending stands against the drop (daemon/analysis/onset.py): whether it holds the
+    drop, when it begins, and the steps before against the steps after."""
+
+    snapshots: int
+    holds_drop: bool
+    trace_begins_at: float | None = None  # Unix s
+    drop_at: float | None = None  # Unix s: in the trace, or the hook's step times' estimate
+    first_slow_step_after_drop_s: float | None = None
+    summary: str | None = None
+    comparison: Comparison | None = None  # the last snapshot before the drop against the slowest after
+    windows: tuple[OnsetWindow, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"snapshots": self.snapshots, "holds_drop": self.holds_drop, "trace_begins_at": self.trace_begins_at,
+                "drop_at": self.drop_at, "first_slow_step_after_drop_s": self.first_slow_step_after_drop_s,
+                "summary": self.summary, "comparison": self.comparison.to_json() if self.comparison else None,
+                "windows": [w.to_json() for w in self.windows]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Onset:
+        data = _obj(data, "onset")
+        snapshots = data.get("snapshots", 0)
+        return cls(snapshots=snapshots if isinstance(snapshots, int) else 0, holds_drop=data.get("holds_drop") is True,
+                   trace_begins_at=_float(data, "trace_begins_at"), drop_at=_float(data, "drop_at"),
+                   first_slow_step_after_drop_s=_float(data, "first_slow_step_after_drop_s"),
+                   summary=data.get("summary") if isinstance(data.get("summary"), str) else None,
+                   comparison=Comparison.from_json(data["comparison"]) if data.get("comparison") else None,
+                   windows=tuple(OnsetWindow.from_json(w) for w in _list(data, "windows")))
+
+
+@dataclass(frozen=True)
 class CaptureAnalysis:
     """A capture's analysis: every worker, the one whose facts lead (the slowest), a straggler, a comparison.
 
@@ -563,6 +619,7 @@ class CaptureAnalysis:
     window_overlap: float | None = None  # the share of the shortest session that every session covers
     comparison: Comparison | None = None
     host_verdict: HostVerdict | None = None
+    onset: Onset | None = None  # a capture taken on pending: where it stands against the drop
 
     @property
     def one_window(self) -> bool | None:
@@ -595,6 +652,8 @@ class CaptureAnalysis:
             out["window_overlap"], out["one_window"] = self.window_overlap, self.one_window
         if self.comparison is not None:
             out["comparison"] = self.comparison.to_json()
+        if self.onset is not None:
+            out["onset"] = self.onset.to_json()
         if self.host_verdict is not None:
             out.update({"trace_bottleneck": self.lead.bottleneck, "trace_why": self.lead.why,
                         "trace_summary": self.lead.summary, "trace_recommendation": self.lead.recommendation,
@@ -619,4 +678,4 @@ class CaptureAnalysis:
                    straggler=Straggler.from_json(data["straggler"]) if data.get("straggler") else None,
                    window_skew_ms=_float(data, "window_skew_ms"), window_overlap=_float(data, "window_overlap"),
                    comparison=Comparison.from_json(data["comparison"]) if data.get("comparison") else None,
-                   host_verdict=verdict)
+                   host_verdict=verdict, onset=Onset.from_json(data["onset"]) if data.get("onset") else None)

@@ -1,0 +1,258 @@
+"""Captures started when a rule goes pending: kept only if the rule fires, else discarded.
+
+``PendingCaptures`` tracks, per (rule, series), whether the rule fired, cleared or never decided before its
+deadline. ``run_on_pending`` runs one such capture in the capture's thread: a ring of continuous-profiling
+snapshots where the profiler server has them (``snapshot_worker``), else one capture at once; then it
+waits for the rule and keeps or discards. Admission (busy, cooldown, hourly budget) is the policy's, as
+for every capture: a discarded capture still counted, so a flapping rule cannot profile a job all the time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from .hostcontext import HostContext
+from .rules import CLEARED, FIRING, PENDING, RESOLVED, Transition
+from .workers import PARENT_ENV
+
+if TYPE_CHECKING:
+    from .captures import CaptureService
+    from .hostcontext import HostLoad
+    from .policy import Admission
+    from .records import CaptureRecord
+
+log = logging.getLogger("tfprofd.pending")
+
+Key = tuple[str, tuple[tuple[str, str], ...]]
+FIRED, CLEARED_OUT, EXPIRED, STOPPED = "fired", "cleared", "expired", "stopped"
+GRACE_SECONDS = 5.0  # after the rule's `for`, the samples that may still make it fire
+
+
+@dataclass
+class PendingEntry:
+    """One pending rule series; its captures wait on ``decided``."""
+
+    key: Key
+    deadline: float  # monotonic: not fired by then = discarded
+    drop_at: float | None = None  # Unix time of the drop, estimated from the hook's step times
+    outcome: str = ""
+    decided: threading.Event = field(default_factory=threading.Event)
+
+
+def key_of(t: Transition) -> Key:
+    return t.rule.name, tuple(sorted(t.labels.items()))
+
+
+class PendingCaptures:
+    def __init__(self, monotonic: Any):
+        self._monotonic = monotonic
+        self._entries: dict[Key, PendingEntry] = {}
+        self._lock = threading.Lock()
+
+    def open(self, key: Key, for_seconds: float, grace: float, drop_at: float | None) -> PendingEntry:
+        entry = PendingEntry(key, self._monotonic() + for_seconds + grace, drop_at)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self._entries[key] = entry
+        if old is not None:
+            self._decide(old, CLEARED_OUT)
+        return entry
+
+    def _decide(self, entry: PendingEntry, outcome: str) -> None:
+        if not entry.decided.is_set():
+            entry.outcome = outcome
+            entry.decided.set()
+
+    def fire(self, key: Key) -> bool:
+        """The rule fired: a capture waiting on it is kept; False if none waits (capture the usual way)."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+        if entry is None or entry.decided.is_set():
+            return False
+        self._decide(entry, FIRED)
+        return True
+
+    def clear(self, key: Key) -> None:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._decide(entry, CLEARED_OUT)
+
+    def wait(self, entry: PendingEntry) -> str:
+        if not entry.decided.wait(max(0.0, entry.deadline - self._monotonic())):
+            with self._lock:
+                if self._entries.get(entry.key) is entry:
+                    del self._entries[entry.key]
+            self._decide(entry, EXPIRED)
+        return entry.outcome
+
+    def stop(self) -> None:
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:
+            self._decide(entry, STOPPED)
+
+
+def on_transition(t: Transition, captures: CaptureService, on_pending: bool, interval: float,
+                  drop_at: float | None) -> None:
+    """What a capturing rule's transition does to captures (the policy's refusals are logged)."""
+    from .errors import DomainError
+
+    key = key_of(t)
+    if t.kind in (CLEARED, RESOLVED):
+        captures.pending.clear(key)
+        return
+    if t.kind == FIRING and captures.pending.fire(key):
+        log.info("rule %s fired: its capture taken on pending is kept", t.rule.name)
+        return
+    if t.kind == PENDING and not on_pending:
+        return
+    entry = None
+    if t.kind == PENDING:
+        entry = captures.pending.open(key, t.rule.for_seconds, max(GRACE_SECONDS, 3 * interval), drop_at)
+    if t.kind in (PENDING, FIRING):
+        try:
+            captures.request("rule", t.labels.get("training_job"), t.labels.get("gpu"), rule=t.rule.name,
+                             cooldown=t.rule.cooldown, pending=entry)
+        except DomainError as exc:
+            if entry is not None:
+                captures.pending.clear(key)  # nothing waits on it: the firing captures the usual way
+            log.info("rule %s: no capture: %s", t.rule.name, exc.reason)
+
+
+# ---- running one ----
+
+class RingWorker:
+    """The snapshot worker process of one capture; talks to it over its stdin and stdout."""
+
+    def __init__(self, request: dict[str, Any]):
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tfprofd.daemon.snapshot_worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                                     start_new_session=True, umask=0o027)
+        self._send(json.dumps(request))
+
+    def _send(self, line: str) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it ended: its answer (or its absence) says why
+
+    def answer(self, timeout: float) -> dict[str, Any]:
+        """Its next JSON line; a failure result if it says nothing in time (it is then killed)."""
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        try:
+            result = json.loads(line)
+            if isinstance(result, dict):
+                return result
+        except ValueError:
+            pass
+        self.kill()
+        return {"status": "failed", "reason": "timeout" if not ready else "error",
+                "detail": f"the snapshot worker gave no answer within {timeout:.0f}s" if not ready
+                else f"the snapshot worker ended: {line.strip()[:300] or 'no output'}"}
+
+    def finish(self, command: str, timeout: float) -> dict[str, Any]:
+        self._send(command)
+        result = self.answer(timeout)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        return result
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+
+
+def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict[str, Any], admission: Admission,
+                   entry: PendingEntry, before: HostLoad | None = None) -> None:
+    """Take the capture of a pending rule, then keep it if the rule fires, else discard it."""
+    s = service.settings()
+    record.context = {**(record.context or {}), "on_pending": True, "drop_at": entry.drop_at}
+    ring = None
+    if s.snapshots and request["mode"] == "agent" and len(request["targets"]) == 1:
+        ring = RingWorker({**request, "interval": s.snapshot_interval, "keep": s.snapshot_keep,
+                           "max_bytes": s.snapshot_max_bytes, "rpc_timeout": 30.0,
+                           "min_s": request["duration_ms"] / 1000,
+                           "deadline_s": max(0.0, entry.deadline - service.clock.monotonic()) + 60})
+        armed = ring.answer(s.timeout)
+        if armed.get("armed"):
+            record.context["mode"] = "snapshots"
+            window = service._host(lambda host: host.open(record.job))  # the host beside the ring, as a capture
+            outcome = service.pending.wait(entry)
+            result = ring.finish("keep" if outcome == FIRED else "drop", s.timeout + request["duration_ms"] / 1000)
+            if isinstance(window, HostContext):  # the window could not be opened: the record says why
+                record.host = window
+            elif window is not None:
+                record.host = service._host(lambda host: host.close(window, before))
+            service.policy.release(admission)
+            if outcome != FIRED:
+                discard(service, record, outcome)
+                return
+            record.context["snapshots"] = result.get("snapshots", [])
+            _apply(record, result, service.clock.time(), s.analyze)
+            return
+        ring.proc.wait()
+        if armed.get("status") != "unimplemented":
+            _apply(record, armed, service.clock.time(), s.analyze)
+            service.policy.release(admission)
+            service.pending.clear(entry.key)
+            return
+        log.info("capture %s: %s; one capture at pending instead", record.id, armed.get("detail"))
+    record.context["mode"] = "capture"
+    taken = replace(record)  # the record stays running until the rule decides
+    service._capture(taken, request, admission, before)
+    outcome = service.pending.wait(entry)
+    record.started_at, record.host = taken.started_at, taken.host
+    if outcome != FIRED and taken.status in ("done", "analyzing"):
+        discard(service, record, outcome)
+        return
+    for name in ("reason", "detail", "files", "finished_at", "bytes", "status"):  # status last: a whole record
+        setattr(record, name, getattr(taken, name))
+
+
+def _apply(record: CaptureRecord, result: dict[str, Any], now: float, analyze: bool) -> None:
+    record.reason, record.detail = result.get("reason"), result.get("detail")
+    record.started_at = result.get("rpc_sent_at")
+    record.files = list(result.get("files", []))
+    record.finished_at = now
+    spans = [s for s in result.get("snapshots", []) if s.get("begin_ns") and s.get("end_ns")]
+    if spans:
+        record.duration_ms = int((spans[-1]["end_ns"] - spans[0]["begin_ns"]) / 1e6)
+    status = result["status"]
+    record.status = "analyzing" if status == "done" and analyze else status  # last: readers see a whole record
+
+
+def discard(service: CaptureService, record: CaptureRecord, outcome: str) -> None:
+    """Delete a capture's files and record it ``discarded`` (its rule never fired), counted by rule."""
+    try:
+        freed, left = service.store.state.remove_tree("captures", service.store.capture_dir(record.id).name)
+    except OSError as exc:
+        freed, left = 0, [str(exc)]
+    for problem in left[:5]:
+        log.warning("capture %s: could not delete %s", record.id, problem)
+    record.reason, record.files = outcome, []
+    record.detail = {CLEARED_OUT: "the rule stopped pending before it fired", EXPIRED: "the rule did not fire in time",
+                     STOPPED: "the agent stopped before the rule fired"}.get(outcome, outcome)
+    record.finished_at = record.finished_at or time.time()
+    service.count_discarded(record.rule or "")
+    record.status = "discarded"  # last: readers see a whole record
+    log.info("capture %s discarded (%s): %d bytes freed", record.id, record.detail, freed)

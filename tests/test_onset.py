@@ -1,0 +1,301 @@
+"""Captures on pending: the snapshot ring (against a profiler gRPC server of the test's own), discard on
+resolve, the discarded counter, budget and cooldown accounting, the UNIMPLEMENTED fallback, the split."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tfprofd.daemon.analysis import CaptureAnalysis
+from tfprofd.daemon.analysis.onset import drop_time, onset, split_at_drop
+from tfprofd.daemon.captures import CaptureService
+from tfprofd.daemon.config import CaptureSettings
+from tfprofd.daemon.errors import BudgetSpent, CoolingDown
+from tfprofd.daemon.jobs import JobRegistry, Target
+from tfprofd.daemon.pending import key_of, on_transition
+from tfprofd.daemon.policy import CapturePolicy
+from tfprofd.daemon.protos import profiler_pb2, xplane_pb2
+from tfprofd.daemon.records import RecordStore
+from tfprofd.daemon.rules import CLEARED, FIRING, PENDING, Condition, Engine, Rule, Transition
+from tfprofd.daemon.snapshot_worker import Ring, Snapshot
+from tfprofd.exporter.base import Clock
+
+from helpers import wait_for
+
+
+def xspace(begin_ns: int, end_ns: int, events: int = 200) -> bytes:
+    """A trace with TensorFlow ops on an executor thread and a Task Environment window."""
+    space = xplane_pb2.XSpace()
+    host = space.planes.add(name="/host:CPU")
+    host.event_metadata[1].id, host.event_metadata[1].name = 1, "dense/MatMul:MatMul"
+    line = host.lines.add(name="tf_Compute", timestamp_ns=begin_ns)
+    for i in range(events):
+        line.events.add(metadata_id=1, offset_ps=i * 1000, duration_ps=500)
+    env = space.planes.add(name="Task Environment")
+    for i, (name, value) in enumerate((("profile_start_time", begin_ns), ("profile_stop_time", end_ns)), 1):
+        env.stat_metadata[i].id, env.stat_metadata[i].name = i, name
+        env.stats.add(metadata_id=i, uint64_value=value)
+    return space.SerializeToString()
+
+
+class FakeProfiler(grpc.GenericRpcHandler):
+    """A profiler server at its real boundary (gRPC): with or without the continuous-profiling RPCs."""
+
+    def __init__(self, continuous: bool):
+        self.continuous = continuous
+        self.calls: list[str] = []
+        self.lock = threading.Lock()
+        self.since = time.time_ns()
+
+    def count(self, method: str) -> int:
+        with self.lock:
+            return self.calls.count(method)
+
+    def service(self, details):
+        method = details.method.rsplit("/", 1)[-1]
+        if method != "Profile" and not self.continuous:
+            return None  # grpc answers UNIMPLEMENTED, as TensorFlow before 2.21 does
+
+        def answer(request: bytes, context) -> bytes:
+            with self.lock:
+                self.calls.append(method)
+                begin, self.since = self.since, time.time_ns()
+            if method in ("GetSnapshot", "Profile"):
+                return profiler_pb2.ProfileResponse(xspace=xspace(begin, self.since)).SerializeToString()
+            return b""
+
+        return grpc.unary_unary_rpc_method_handler(answer)
+
+
+@pytest.fixture(params=[True, False], ids=["continuous", "tf_before_2_21"])
+def profiler(request):
+    handler = FakeProfiler(request.param)
+    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield handler, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+class Registry(JobRegistry):
+    def __init__(self, address: str):
+        super().__init__()
+        self.address = address
+
+    def targets(self, job, gpu):
+        return [[Target("a", "0", self.address)]]
+
+    def jobs(self):
+        return {"a"}
+
+
+RULE = Rule("throughput_drop", "", (Condition("samples_per_second", below=1.0),), for_seconds=10, cooldown=900)
+
+
+def service(tmp_path: Path, address: str, **settings) -> CaptureService:
+    base = {"analyze": False, "snapshot_interval": 0.5, "duration": 0.3, **settings}
+    return CaptureService(lambda: CaptureSettings(**base), RecordStore(tmp_path),
+                          CapturePolicy(Clock(), tmp_path / "alerts.json"), Registry(address), Clock())
+
+
+def transition(kind: str) -> Transition:
+    return Transition(kind, RULE, {"training_job": "a"}, 0.5)
+
+
+def ended(captures: CaptureService, capture_id: str):
+    wait_for(lambda: captures.get(capture_id).status not in ("running", "analyzing"), 60, message="the record to end")
+    return captures.get(capture_id)
+
+
+def discarded(captures: CaptureService) -> dict[str, float]:
+    family = next(f for f in captures.collect() if f.name == "tfprofd_captures_discarded")
+    return {s.labels["rule"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+
+def test_a_capture_taken_on_pending_is_kept_when_the_rule_fires(tmp_path, profiler):
+    handler, address = profiler
+    captures = service(tmp_path, address)
+    on_transition(transition(PENDING), captures, True, 1.0, drop_at=time.time() - 3)
+    [record] = captures.list()
+    if handler.continuous:  # armed at pending: snapshots before the rule fires
+        wait_for(lambda: handler.count("GetSnapshot") >= 2, 30, message="two snapshots")
+    else:  # older TensorFlow: one capture at once, at pending
+        wait_for(lambda: handler.count("Profile") == 1, 30, message="the capture at pending")
+    on_transition(transition(FIRING), captures, True, 1.0, None)
+    record = ended(captures, record.id)
+    assert record.status == "done", record
+    assert len(captures.list()) == 1  # the firing started no second capture
+    assert record.context["mode"] == ("snapshots" if handler.continuous else "capture")
+    files = [Path(record.directory) / f for f in record.files]
+    assert files and all(f.stat().st_size > 1024 for f in files)
+    if handler.continuous:
+        assert len(files) >= 3 and len({f.parent for f in files}) == len(files)  # consecutive run directories
+        assert handler.count("StopContinuousProfiling") == 1
+        assert record.started_at < record.requested_at + 5
+    assert discarded(captures) == {}
+
+
+def test_a_capture_taken_on_pending_is_discarded_and_counted_when_the_rule_clears(tmp_path, profiler):
+    handler, address = profiler
+    captures = service(tmp_path, address)
+    on_transition(transition(PENDING), captures, True, 1.0, None)
+    [record] = captures.list()
+    method = "GetSnapshot" if handler.continuous else "Profile"
+    wait_for(lambda: handler.count(method) >= 1, 30, message="the capture to run")
+    if not handler.continuous:
+        wait_for(lambda: list(Path(record.directory).rglob("*.xplane.pb")), 30, message="the trace")
+    on_transition(transition(CLEARED), captures, True, 1.0, None)
+    record = ended(captures, record.id)
+    assert (record.status, record.reason, record.files) == ("discarded", "cleared", []), record
+    assert not Path(record.directory).exists()
+    assert discarded(captures) == {"throughput_drop": 1}
+    if handler.continuous:
+        assert handler.count("StopContinuousProfiling") == 1
+    assert captures.policy.busy() == frozenset()
+    # it counted: the rule's cooldown holds, and it took a place in the hourly budget
+    with pytest.raises(CoolingDown):
+        captures.request("rule", "a", rule="throughput_drop", cooldown=900)
+
+
+def test_a_flapping_rule_cannot_profile_a_job_continuously(tmp_path, profiler, caplog):
+    _, address = profiler
+    caplog.set_level(logging.INFO, logger="tfprofd")
+    captures = service(tmp_path, address, max_per_hour=1)
+    for _ in range(3):
+        on_transition(transition(PENDING), captures, True, 1.0, None)
+        on_transition(transition(CLEARED), captures, True, 1.0, None)
+    assert len(captures.list()) == 1
+    assert caplog.text.count("rule throughput_drop: no capture") == 2
+    assert ended(captures, captures.list()[0].id).status == "discarded"
+    on_transition(transition(PENDING), captures, True, 1.0, None)  # once it ended: the cooldown still holds
+    assert len(captures.list()) == 1 and "less than its cooldown" in caplog.text
+    with pytest.raises(BudgetSpent):  # another rule: the discarded capture took the hour's only place
+        captures.request("rule", "a", rule="cpu_bottleneck", cooldown=900)
+
+
+def test_a_pending_rule_that_never_fires_is_discarded_at_its_deadline(tmp_path, profiler):
+    _, address = profiler
+    captures = service(tmp_path, address)
+    rule = Rule("r", "", RULE.conditions, for_seconds=0.5, cooldown=0)
+    on_transition(Transition(PENDING, rule, {"training_job": "a"}, 0.5), captures, True, 0.1, None)
+    [record] = captures.list()
+    record = ended(captures, record.id)
+    assert (record.status, record.reason) == ("discarded", "expired")
+
+
+def test_capture_on_pending_off_captures_when_the_rule_fires(tmp_path, profiler):
+    handler, address = profiler
+    captures = service(tmp_path, address)
+    on_transition(transition(PENDING), captures, False, 1.0, None)
+    assert captures.list() == []
+    on_transition(transition(FIRING), captures, False, 1.0, None)
+    record = ended(captures, captures.list()[0].id)
+    assert record.status == "done" and handler.count("Profile") == 1
+
+
+def test_the_ring_is_bounded_in_count_and_bytes():
+    ring = Ring(keep=3, max_bytes=10_000)
+    for i in range(5):
+        ring.add(Snapshot(bytes(1000), i, i + 1))
+    assert [s.begin_ns for s in ring.items] == [2, 3, 4] and ring.dropped == 2 and ring.bytes == 3000
+    ring.add(Snapshot(bytes(9500), 5, 6))  # the newest fits alone: the older ones go
+    assert [s.begin_ns for s in ring.items] == [5] and ring.bytes == 9500
+    ring.add(Snapshot(bytes(20_000), 6, 7))  # over the bound by itself: nothing is kept
+    assert not ring.items and ring.bytes == 0
+
+
+def test_a_ring_worker_keeps_only_the_newest_snapshots(tmp_path):
+    handler = FakeProfiler(True)
+    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        captures = service(tmp_path, f"127.0.0.1:{port}", snapshot_keep=2)
+        on_transition(transition(PENDING), captures, True, 1.0, None)
+        wait_for(lambda: handler.count("GetSnapshot") >= 4, 30, message="four snapshots")
+        on_transition(transition(FIRING), captures, True, 1.0, None)
+        record = ended(captures, captures.list()[0].id)
+    finally:
+        server.stop(0)
+    assert record.status == "done" and len(record.files) == 2 and "older ones dropped" in record.detail
+
+
+def test_the_engine_says_when_a_pending_rule_clears_without_firing():
+    engine = Engine([RULE], {"samples_per_second": ("training", ("training_job",))})
+    signals = {"samples_per_second": [({"training_job": "a"}, 0.5)]}
+    kinds = [t.kind for t in engine.observe("training", 0.0, signals, lambda labels: True)]
+    assert kinds == [PENDING]
+    signals = {"samples_per_second": [({"training_job": "a"}, 5.0)]}
+    [t] = engine.observe("training", 1.0, signals, lambda labels: True)
+    assert t.kind == CLEARED and key_of(t) == ("throughput_drop", (("training_job", "a"),))
+
+
+def test_the_split_finds_where_step_time_jumps():
+    assert split_at_drop([10, 11, 10, 10, 30, 32, 31, 11]) == 4
+    assert split_at_drop([10, 10, 40, 10, 10]) is None  # one long step is no drop
+    assert split_at_drop([30, 31, 30]) is None  # already slow: nothing before it
+    assert split_at_drop([10, 10, 10, 30]) == 3  # the last step counts
+    noisy_start = [0.5, 0.1, 0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.4, 0.4, 0.4]  # warm-up, then the drop at 8
+    assert drop_time(list(enumerate(noisy_start))) == 8
+    assert drop_time(list(enumerate([0.1] * 10))) is None
+
+
+def facts(cycle: float, begin_s: float, input_ms: float) -> CaptureAnalysis:
+    """A snapshot's analysis: steps of ``cycle`` ms, ``input_ms`` of each waiting for input."""
+    parts = {"input_wait": input_ms, "host_compute": cycle - input_ms}
+    return CaptureAnalysis.from_json({
+        "host": "h", "trace": f"/x/{begin_s}/h.xplane.pb", "bottleneck": "input", "why": "", "summary": "input: ...",
+        "recommendation": "", "steps": 20, "window": [int(begin_s * 1e9), int((begin_s + 2) * 1e9)],
+        "step_time_ms": {"mean": cycle, "stdev": 0, "min": cycle, "max": cycle}, "breakdown_ms": parts,
+        "breakdown": {k: v / cycle for k, v in parts.items()}, "input_bound_ratio": input_ms / cycle,
+        "cycle_ms": cycle, "between_ms": {}, "ratios": {}})
+
+
+def test_snapshots_that_hold_the_drop_compare_the_steps_before_with_the_steps_after():
+    result = onset([facts(10, 100, 1), facts(10, 102, 1), facts(40, 104, 31), facts(41, 106, 32)], 103.5)
+    section = result.onset
+    assert section.holds_drop and section.first_slow_step_after_drop_s == 0.0
+    assert section.drop_at == 104 and result.lead.cycle_ms == 41 and section.trace_begins_at == 100
+    assert section.comparison.step_ms == (10, 41, 31)
+    assert "+31.0 ms waiting for input" in section.comparison.summary and "holds the drop" in result.summary
+    assert CaptureAnalysis.from_json(result.to_json()).onset == section  # stored in the record and read back
+
+
+def test_a_trace_that_begins_after_the_drop_says_how_long_after():
+    section = onset([facts(40, 110, 31), facts(41, 112, 32)], 103.0).onset
+    assert not section.holds_drop and section.first_slow_step_after_drop_s == pytest.approx(7.0)
+
+
+def test_capture_on_pending_is_set_by_yaml_env_or_flag_and_validated(tmp_path):
+    from tfprofd.daemon import config
+
+    path = tmp_path / "tfprofd.yaml"
+    path.write_text("captures:\n  on_pending: false\n  snapshot_keep: 4\n")
+    cfg = config.load(str(path), env={"TFPROFD_CAPTURES_SNAPSHOT_INTERVAL": "1s"},
+                      flags={"captures.snapshots": "false"})
+    assert (cfg.captures.on_pending, cfg.captures.snapshot_keep, cfg.captures.snapshot_interval,
+            cfg.captures.snapshots) == (False, 4, 1.0, False)
+    assert config.load(None, env={}).captures.on_pending is True
+    path.write_text("captures:\n  snapshot_keep: 0\n  snapshot_interval: 10ms\n")
+    with pytest.raises(config.ConfigError) as info:
+        config.load(str(path), env={})
+    text = " ".join(map(str, info.value.problems))
+    assert "captures.snapshot_keep" in text and "captures.snapshot_interval" in text
+
+
+def test_the_engine_gives_a_jobs_recent_step_times_for_the_drop_estimate():
+    outlier = Rule("step_time_outlier", "", (Condition("step_seconds", "mean", 20, above_baseline=2, baseline=600),))
+    engine = Engine([RULE, outlier], {"samples_per_second": ("training", ("training_job",)),
+                                      "step_seconds": ("training", ("training_job", "worker"))})
+    for t, value in enumerate([0.01] * 6 + [0.3, 0.3]):
+        engine.observe("training", float(t), {"step_seconds": [({"training_job": "a", "worker": "0"}, value)],
+                                              "samples_per_second": [({"training_job": "a"}, 5.0)]}, lambda _: True)
+    points = engine.history("step_seconds", {"training_job": "a"})
+    assert len(points) == 8 and drop_time(points) == 6.0
+    assert engine.history("step_seconds", {"training_job": "b"}) == []
