@@ -40,9 +40,10 @@ def test_scrape_matches_golden_file_and_passes_promtool(agents, tmp_path, fakenv
     def complete():
         text = agent.scrape()
         return (metric_value(text, "tfprofd_rule_active", rule="network_receive_saturated", device="eth0") is not None
-                and metric_value(text, "tfprofd_mig_sm_activity_ratio", gpu="2", gpu_instance_id="2") is not None)
+                and metric_value(text, "tfprofd_mig_sm_activity_ratio", gpu="2", gpu_instance_id="2") is not None
+                and metric_value(text, "tfprofd_capture_worker_ready") == 1)
 
-    wait_for(complete, 10, message="two samples of every collector")
+    wait_for(complete, 30, message="two samples of every collector and the capture worker waiting")
     text = agent.scrape()
     got = deterministic(text)
     if os.environ.get("UPDATE_GOLDEN"):
