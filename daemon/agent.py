@@ -100,7 +100,9 @@ class Agent:
         jobwide = JobCaptures(
             lambda: PeerFinder(self.cfg.cluster, self.cfg.alerts.forward_networks, self.servers[1].address[1]),
             self.captures, store, PeerClient(token.current, lambda: self.cfg.alerts.host_value or socket.gethostname()),
-            lambda: (self.cfg.captures.timeout, self.cfg.captures.analysis_timeout), lambda: self.cfg.captures.keep)
+            lambda: (self.cfg.captures.timeout + self.cfg.captures.delay,  # a peer's capture, then its analysis,
+                     self.cfg.captures.analysis_timeout + self.cfg.captures.analysis_queue_timeout),  # queued too
+            lambda: self.cfg.captures.keep)
         ControlApi(api, self.captures, policy, lambda labels: alert_is_for_host(
             labels, self.cfg.alerts.host_label, self.cfg.alerts.host_value), forwarder, jobwide)
         self.servers.append(HttpServer("metrics", self.cfg.core.listen, metrics, max_body=lambda: 4096))

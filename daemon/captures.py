@@ -180,17 +180,19 @@ class CaptureService:
                  before: HostLoad | None = None) -> None:
         timeout = self.settings().timeout + record.duration_ms / 1000
         window = self._host(lambda host: host.open(record.job))
-        outcome = self.capture_workers.run(CAPTURE_WORKER, [], json.dumps(request), timeout)
+        try:
+            outcome = self.capture_workers.run(CAPTURE_WORKER, [], json.dumps(request), timeout)
+        finally:  # a window left open would keep every later sample (a worker that cannot even start raises)
+            if isinstance(window, HostContext):  # the window could not be opened: the record says why
+                record.host = window
+            elif window is not None:
+                record.host = self._host(lambda host: host.close(window, before))
+                if record.host is not None and record.host.contention is not None:
+                    log.warning("capture %s: other processes starved job %s: %s", record.id, record.job,
+                                record.host.contention.why)
         if outcome.pid is not None:
             log.info("capture %s: worker pid %d (%s)", record.id, outcome.pid,
                      "pre-started" if outcome.prestarted else "started on request: none was waiting")
-        if isinstance(window, HostContext):  # the window could not be opened: the record says why
-            record.host = window
-        elif window is not None:
-            record.host = self._host(lambda host: host.close(window, before))
-            if record.host is not None and record.host.contention is not None:
-                log.warning("capture %s: other processes starved job %s: %s", record.id, record.job,
-                            record.host.contention.why)
         result = outcome.result or {
             "status": "failed",
             "reason": {"timeout": "timeout", "stopped": "agent_stopped"}.get(outcome.status, "error"),

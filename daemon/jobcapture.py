@@ -225,6 +225,7 @@ class JobCaptures:
                 continue
             if record.status == "running":
                 record.status, record.detail = "failed", "the agent stopped while this job capture ran"
+                record.finished_at = record.finished_at or time.time()
                 self._save(record)
             self._records[record.id] = record
 

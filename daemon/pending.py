@@ -220,11 +220,14 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
     record.context["mode"] = "capture"
     taken = replace(record)  # the record stays running until the rule decides
     service._capture(taken, request, admission, before)
-    outcome = service.pending.wait(entry)
     record.started_at, record.host = taken.started_at, taken.host
-    if outcome != FIRED and taken.status in ("done", "analyzing"):
-        discard(service, record, outcome)
-        return
+    if taken.status in ("done", "analyzing"):
+        outcome = service.pending.wait(entry)
+        if outcome != FIRED:
+            discard(service, record, outcome)
+            return
+    else:  # it failed (busy, no server): the record says so now, and the firing, if it comes, captures anew
+        service.pending.clear(entry.key)
     for name in ("reason", "detail", "files", "finished_at", "bytes", "status"):  # status last: a whole record
         setattr(record, name, getattr(taken, name))
 

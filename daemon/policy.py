@@ -29,12 +29,14 @@ ALERTS_KEPT = 1000
 HOUR = 3600.0
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Admission:
-    """Leave to run one capture; hand it back with ``release``."""
+    """Leave to run one capture; hand it back with ``release`` (once: a second release is a no-op, so it can
+    never clear the busy mark of a later capture of the same processes)."""
 
     addresses: frozenset[str]
     started: float
+    released: bool = False
 
 
 class CapturePolicy:
@@ -83,6 +85,9 @@ class CapturePolicy:
     def release(self, admission: Admission, refund: bool = False) -> None:
         """The capture ended (or never started: ``refund`` gives its place in the hourly budget back)."""
         with self._lock:
+            if admission.released:
+                return
+            admission.released = True
             self._busy -= admission.addresses
             if refund:
                 try:

@@ -75,6 +75,20 @@ def test_one_capture_per_process_at_a_time(tmp_path):
     policy.release(policy.admit(GPU1 + GPU2, 100))
 
 
+def test_a_capture_released_twice_never_frees_a_later_capture_of_the_same_process(tmp_path):
+    """A capture hands its process back once its trace is taken and again when it ends (after its analysis,
+    or a pending capture's wait): the second release must not clear a later capture's busy mark."""
+    policy = CapturePolicy(FakeClock(), tmp_path / "alerts.json")
+    first = policy.admit(GPU1, 100)
+    policy.release(first)  # its trace is taken
+    second = policy.admit(GPU1, 100)
+    policy.release(first)  # the first one ends
+    with pytest.raises(CaptureBusy):
+        policy.admit(GPU1, 100)
+    policy.release(second)
+    policy.release(policy.admit(GPU1, 100))
+
+
 @pytest.mark.parametrize("content", [b"null", b"123", b"[1]", b"{not json", b'{"a": "yesterday"}', b"\xff\xfe"])
 def test_a_corrupt_alert_ledger_is_set_aside_with_the_reason(tmp_path, caplog, content):
     path = tmp_path / "alerts.json"
