@@ -26,7 +26,7 @@ from tfprofd.daemon.rules import CLEARED, FIRING, PENDING, Condition, Engine, Ru
 from tfprofd.daemon.snapshot_worker import Ring, Snapshot
 from tfprofd.exporter.base import Clock
 
-from helpers import wait_for
+from helpers import free_port, wait_for
 
 
 def xspace(begin_ns: int, end_ns: int, events: int = 200) -> bytes:
@@ -187,6 +187,20 @@ def test_a_pending_rule_that_never_fires_is_discarded_at_its_deadline(tmp_path, 
     [record] = captures.list()
     record = ended(captures, record.id)
     assert (record.status, record.reason) == ("discarded", "expired")
+
+
+def test_a_capture_at_pending_that_fails_says_so_at_once_and_the_firing_captures_again(tmp_path):
+    """Nothing answers at the job's address: the record fails now (not when the rule's hour-long ``for`` ends),
+    and when the rule then fires it gets a capture of its own rather than the failed one."""
+    captures = service(tmp_path, f"127.0.0.1:{free_port()}", snapshots=False)
+    rule = Rule("throughput_drop", "", RULE.conditions, for_seconds=3600, cooldown=0)
+    on_transition(Transition(PENDING, rule, {"training_job": "a"}, 0.5), captures, True, 1.0, None)
+    [first] = captures.list()
+    first = ended(captures, first.id)
+    assert (first.status, first.reason) == ("failed", "no_server"), first
+    on_transition(Transition(FIRING, rule, {"training_job": "a"}, 0.5), captures, True, 1.0, None)
+    assert len(captures.list()) == 2
+    assert all(ended(captures, r.id).status == "failed" for r in captures.list())
 
 
 def test_capture_on_pending_off_captures_when_the_rule_fires(tmp_path, profiler):
