@@ -402,10 +402,12 @@ class TraceVerdict:
     kind: str
     summary: str
     hardware: str
+    input_share: float | None = None  # of the step, waiting for input
 
     @classmethod
     def of(cls, analysis: CaptureAnalysis) -> TraceVerdict:
-        return cls(analysis.lead.bottleneck, analysis.summary, analysis.lead.hardware)
+        lead = analysis.lead
+        return cls(lead.bottleneck, analysis.summary, lead.hardware, lead.input_bound_ratio)
 
 
 @dataclass(frozen=True)
@@ -424,18 +426,22 @@ def join(trace: TraceVerdict, host: HostContext | None, rule: str | None = None)
 
     CPU contention stretches host work (``host``, ``small_batch``), CPU compute (``device`` on a CPU-only trace)
     and a trace too starved to show steps (``unknown``): there, contention is the cause. It does not make a GPU
-    compute longer. And a step that waits for input keeps its ``input`` (or ``transfer``) verdict, with the
-    contention noted beside it: from CPU totals alone tfprofd cannot tell a reader that sleeps on storage (the
-    demo's injected bottleneck, which a CPU hog does not explain) from a pipeline starved of CPU, and the input
-    pipeline is where either is fixed."""
+    compute longer. A step that waits for input is contention's too when the wait is no larger than the share
+    of its ready time the job spent waiting for a CPU (a pipeline starved of CPU); a longer wait keeps its
+    ``input`` verdict (or ``transfer``), with the contention noted beside it: a reader that sleeps on storage
+    (the demo's injected bottleneck) is not explained by a CPU hog, and the input pipeline is where it is fixed."""
     if host is None or host.contention is None:
         return None
     c = host.contention
     cpu_bound = trace.kind in ("host", "small_batch", "unknown") or (
         trace.kind == "device" and trace.hardware in ("CPU_ONLY", ""))
-    if not cpu_bound:
+    starved_input = trace.kind == "input" and trace.input_share is not None and trace.input_share <= c.lost_share
+    if not (cpu_bound or starved_input):
         return None
-    return Cause("host_contention", c.why + _fired(rule), CONTENTION_RECOMMENDATION, trace.kind, trace.summary)
+    why = c.why + (f"; the step's {trace.input_share:.0%} wait for input is within the {c.lost_share:.0%} of the "
+                   "CPU the job was ready to use and did not get: its input pipeline was starved of CPU"
+                   if starved_input else "")
+    return Cause("host_contention", why + _fired(rule), CONTENTION_RECOMMENDATION, trace.kind, trace.summary)
 
 
 def _fired(rule: str | None) -> str:

@@ -113,14 +113,17 @@ def test_a_procfs_without_stat_is_an_error_not_a_guess(tmp_path):
     ("small_batch", "CPU_ONLY", None, "host_contention"),
     ("host", "GPU", None, "host_contention"),
     ("device", "GPU", None, "device"),  # CPU contention does not make GPU kernels longer
-    ("input", "CPU_ONLY", 0.3, "input"),  # a step waiting for input keeps its verdict, contention noted
+    ("input", "CPU_ONLY", 0.8, "input"),  # a wait longer than starvation explains keeps its verdict, noted
+    ("input", "GPU", 0.3, "host_contention"),  # a wait within the CPU the job lost: a starved pipeline
     ("transfer", "GPU", 0.3, "transfer"),
 ])
 def test_the_join_names_contention_only_where_it_explains_the_step(kind, hardware, ratio, final):
     host = window()
+    parts = {} if ratio is None else {
+        "breakdown_ms": {"input_wait": 10 * ratio, "device_compute": 10 * (1 - ratio)},
+        "breakdown": {"input_wait": ratio, "device_compute": 1 - ratio}, "input_bound_ratio": ratio}
     analysis = CaptureAnalysis.from_json({"bottleneck": kind, "summary": f"{kind}: the trace's sentence",
-                                          "hardware": hardware, "input_bound_ratio": ratio,
-                                          "recommendation": "the trace's advice"})
+                                          "hardware": hardware, "recommendation": "the trace's advice", **parts})
     joined, cause = apply(analysis, host, rule="throughput_drop")
     stored = CaptureAnalysis.from_json(json.loads(json.dumps(joined.to_json())))  # as a record keeps it
     for result in (joined, stored):
@@ -129,6 +132,9 @@ def test_the_join_names_contention_only_where_it_explains_the_step(kind, hardwar
             assert cause is not None and result.lead.bottleneck == kind
             assert result.summary.startswith("host_contention: other processes used 1.4 of 2 CPUs")
             assert "(rule throughput_drop fired while the host was contended)" in result.summary
+            if kind == "input":
+                assert "the step's 30% wait for input is within the 60% of the CPU the job was ready to use and " \
+                       "did not get: its input pipeline was starved of CPU" in result.summary
             assert result.summary.endswith(f"the trace alone says {kind}: the trace's sentence")
             assert result.lead.recommendation == "the trace's advice"
             assert "CPUs of its own" in result.recommendation
