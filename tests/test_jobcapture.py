@@ -29,9 +29,9 @@ def coordinator(tmp_path):
     agents: list[AgentProcess] = []
     fakes: list[FakeAgent] = []
 
-    def start(peers: list[FakeAgent], more: tuple[str, ...] = ()) -> AgentProcess:
+    def start(peers: list[FakeAgent], more: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> AgentProcess:
         fakes.extend(peers)
-        args = ["--captures.baseline", "false", "--cluster.timeout", "10s"]  # pings on a busy test machine
+        args = ["--captures.baseline", "false", "--cluster.timeout", "10s", *extra]  # pings on a busy test machine
         if peers:
             args += ["--cluster.peers", ",".join([*(f"{p.host}:{p.port}" for p in peers), *more])]
         agent = AgentProcess(tmp_path, args=args, env={"TFPROFD_API_TOKEN": TOKEN}).start()
@@ -72,6 +72,12 @@ def test_one_request_one_instant_one_record_with_every_worker_and_the_straggler(
     assert (straggler["worker"], straggler["part"]) == ("worker-2", "input_wait")
     assert straggler["delta_ms"] == pytest.approx(6.0)
     assert record["failed"] == [] and len(record["captures"]) == 3
+    # The straggler against the median of the others (worker-0, by step time), part by part, in the record.
+    compared = record["comparison"]
+    assert (compared["worker"], compared["reference"], compared["named_by"]) == ("worker-2", "worker-0", "trace")
+    parts = {p["part"]: p["delta_ms"] for p in compared["comparison"]["parts"]}
+    assert parts["input_wait"] == pytest.approx(6.0) and compared["comparison"]["step_ms"] == [10.0, 16.0, 6.0]
+    assert compared["summary"] in record["detail"]
 
 
 def test_faults_are_named_in_a_partial_record(coordinator):
@@ -187,3 +193,49 @@ def test_a_job_no_agent_has_is_refused_at_once(tmp_path):
         assert status == 503 and "unreachable" in outcome["retry"][0]["why"], outcome
     finally:
         agent.stop()
+
+
+def test_the_straggler_alert_on_its_node_compares_the_named_worker_with_the_median_one(coordinator):
+    """A synchronous job: every worker waits for the slowest at each all-reduce, so step times are equal and the
+    traces alone name no straggler. The alert (the GPU signal) names worker-2; the agent of its node captures the
+    whole job and says what differs between worker-2 and the median worker, part by part and op by op."""
+    healthy = (("input", "Iterator::Map", 0.5), ("device", "MatMul", 9.0))
+    slowed = (("input", "Iterator::Map", 40.2), ("device", "MatMul", 9.0))
+    peers = [fake([FakeWorker("worker-0", 51.2, 1.0, 40.0, healthy)]),
+             fake([FakeWorker("worker-1", 51.2, 1.0, 40.0, healthy)]),
+             fake([FakeWorker("worker-2", 51.3, 41.0, 0.3, slowed)])]
+    agent = coordinator(peers, extra=("--alerts.host-value", "127.0.0.1"))
+    alert = {"status": "firing", "fingerprint": "5f2", "startsAt": "2026-11-24T18:00:00Z",
+             "labels": {"alertname": "TfprofdStraggler", "severity": "warning", "job": "tfprofd",
+                        "instance": "127.0.0.1:9847", "training_job": "ring", "worker": "worker-2"}}
+    payload = {"version": "4", "status": "firing", "alerts": [alert]}
+    status, outcome = http("POST", f"{agent.api}/alerts", payload, token=TOKEN)
+    assert status == 200 and len(outcome["captures"]) == 1, outcome
+    record = job_record(agent, outcome["captures"][0])
+    assert (record["trigger"], record["status"], record["suspect"]) == ("alert", "done", "worker-2"), record
+    assert [w["worker"] for w in record["workers"]] == ["worker-0", "worker-1", "worker-2"]
+    assert [p.triggers for p in peers] == [["alert"]] * 3
+    assert record["straggler"] is None  # 51.3 against 51.2 ms: no step-time straggler
+    compared = record["comparison"]
+    assert (compared["worker"], compared["reference"], compared["named_by"]) == ("worker-2", "worker-0", "alert")
+    parts = {p["part"]: p["delta_ms"] for p in compared["comparison"]["parts"]}
+    assert parts["input_wait"] == pytest.approx(40.0) and parts["device_collectives"] == pytest.approx(-39.7)
+    [op] = compared["comparison"]["ops"]  # the ops that grew
+    assert (op["name"], op["kind"]) == ("Iterator::Map", "input") and op["delta_ms"] == pytest.approx(39.7)
+    assert "worker worker-2" in compared["summary"] and "median worker worker-0" in compared["summary"]
+    assert "+40.0 ms waiting for input" in record["detail"], record["detail"]
+    status, again = http("POST", f"{agent.api}/alerts", payload, token=TOKEN)
+    assert again["captures"] == [] and again["ignored"][0]["why"] == "already handled", again
+    agent.stop()  # the comparison is kept with the record
+    agent.start()
+    assert http("GET", f"{agent.api}/captures/{record['id']}", token=TOKEN) == (200, record)
+
+
+def test_the_capture_list_holds_job_records_marked_as_such(coordinator):
+    agent = coordinator([fake([FakeWorker("worker-0")]), fake([FakeWorker("worker-1")])])
+    status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+    assert status == 202, answer
+    record = job_record(agent, answer["id"])
+    status, listed = http("GET", f"{agent.api}/captures", token=TOKEN)
+    assert status == 200 and listed["captures"] == [record], listed
+    assert listed["captures"][0]["scope"] == "job"
