@@ -4,7 +4,9 @@ another token, a peer that answers late, a job that ends mid-capture, a forged j
 
 from __future__ import annotations
 
+import datetime
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -12,7 +14,7 @@ import sys
 import pytest
 from fake_agent import FakeAgent, FakeWorker
 
-from helpers import AgentProcess, free_port, http, wait_for
+from helpers import AgentProcess, Server, free_port, http, wait_for
 
 pytestmark = pytest.mark.servers
 
@@ -239,3 +241,55 @@ def test_the_capture_list_holds_job_records_marked_as_such(coordinator):
     status, listed = http("GET", f"{agent.api}/captures", token=TOKEN)
     assert status == 200 and listed["captures"] == [record], listed
     assert listed["captures"][0]["scope"] == "job"
+
+
+def test_a_job_level_alert_through_a_real_alertmanager_makes_one_job_record(coordinator, tmp_path):
+    """Debian's Alertmanager groups a job-level alert (aggregated over hosts: no instance) and posts it, again and
+    again while it fires, to an agent's webhook: one job-wide capture of every worker, once."""
+    if not shutil.which("prometheus-alertmanager"):
+        pytest.fail("prometheus-alertmanager not found: run `make test`, which installs Debian's packages")
+    peers = [fake([FakeWorker("worker-0", 10.0)]), fake([FakeWorker("worker-1", 30.0, input_wait_ms=21.0)])]
+    agent = coordinator(peers)
+    (tmp_path / "am-token").write_text(TOKEN)
+    am_port = free_port()
+    (tmp_path / "alertmanager.yml").write_text(f"""
+route:
+  receiver: tfprofd
+  group_by: [alertname, training_job]
+  group_wait: 1s
+  group_interval: 2s
+  repeat_interval: 2s
+receivers:
+  - name: tfprofd
+    webhook_configs:
+      - url: http://127.0.0.1:{agent.api_port}/api/v1/alerts
+        send_resolved: false
+        http_config:
+          authorization:
+            credentials_file: {tmp_path / "am-token"}
+""")
+    am = Server(["prometheus-alertmanager", f"--config.file={tmp_path / 'alertmanager.yml'}",
+                 f"--storage.path={tmp_path / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}",
+                 "--cluster.listen-address="], f"http://127.0.0.1:{am_port}/-/ready", tmp_path / "alertmanager.log")
+    try:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        alert = [{"labels": {"alertname": "JobStepSlow", "training_job": "ring", "severity": "warning"},
+                  "startsAt": now.isoformat(), "endsAt": (now + datetime.timedelta(hours=1)).isoformat()}]
+        status, answer = http("POST", f"http://127.0.0.1:{am_port}/api/v2/alerts", alert)
+        assert status == 200, answer
+
+        def sent() -> float:
+            text = http("GET", f"http://127.0.0.1:{am_port}/metrics")[1]
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith('alertmanager_notifications_total{integration="webhook"'))
+
+        wait_for(lambda: sent() >= 3, 60, 0.5, message="three notifications from Alertmanager")
+        listed = http("GET", f"{agent.api}/captures", token=TOKEN)[1]["captures"]
+        assert [(r["scope"], r["trigger"], r["job"]) for r in listed] == [("job", "alert", "ring")], listed
+        record = job_record(agent, listed[0]["id"])
+        assert record["status"] == "done", record
+        assert [w["worker"] for w in record["workers"]] == ["worker-0", "worker-1"]
+        assert record["straggler"]["worker"] == "worker-1" and record["straggler"]["part"] == "input_wait"
+        assert [p.triggers for p in peers] == [["alert"], ["alert"]]  # one capture each, for all the notifications
+    finally:
+        am.stop()
