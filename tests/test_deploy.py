@@ -75,6 +75,11 @@ def test_the_dashboard_marks_stragglers_at_the_alerts_threshold():
     panel = next(p for p in board["panels"] if p["title"] == "Step time per worker")
     marked = next(t["expr"] for t in panel["targets"] if t["refId"] == "C")
     assert ">= 1.2)" in marked, marked
+    # The GPU signal (synchronous jobs): 0.2 under the job's median worker, in the alert and in its panel.
+    assert expr.split(" or ")[1] == "tfprofd:training_worker_gpu_utilization:below_job_median5m >= 0.2", expr
+    panel = next(p for p in board["panels"] if p["title"] == "GPU busy per worker")
+    marked = next(t["expr"] for t in panel["targets"] if t["refId"] == "C")
+    assert ">= 0.2)" in marked, marked
 
 
 def test_example_alertmanager_config_passes_amtool():
