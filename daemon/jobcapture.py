@@ -390,7 +390,7 @@ class JobCaptures:
         if record.suspect is not None:
             subject = next((w for w in record.workers if w.worker == record.suspect), None)
             if subject is None:
-                unnamed = f"the alert's straggler, worker {record.suspect}, was not traced"
+                unnamed = f"the alert's straggler, worker {record.suspect!r}, was not traced"
             else:
                 record.comparison = compare_workers(subject, "alert", record.workers, analyses)
         elif record.straggler is not None:

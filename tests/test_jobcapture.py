@@ -231,6 +231,13 @@ def test_the_straggler_alert_on_its_node_compares_the_named_worker_with_the_medi
     agent.stop()  # the comparison is kept with the record
     agent.start()
     assert http("GET", f"{agent.api}/captures/{record['id']}", token=TOKEN) == (200, record)
+    # An alert naming a worker the job does not have: the job is still captured, and the record says so.
+    alert = {**alert, "fingerprint": "5f3", "labels": {**alert["labels"], "worker": "worker-9\n<script>"}}
+    status, outcome = http("POST", f"{agent.api}/alerts", {**payload, "alerts": [alert]}, token=TOKEN)
+    assert status == 200 and len(outcome["captures"]) == 1, outcome
+    other = job_record(agent, outcome["captures"][0])
+    assert other["comparison"] is None and other["suspect"] == "worker-9\n<script>", other
+    assert "the alert's straggler, worker 'worker-9\\n<script>', was not traced" in other["detail"], other["detail"]
 
 
 def test_the_capture_list_holds_job_records_marked_as_such(coordinator):
