@@ -165,6 +165,7 @@ def test_tfprofd_capture_all_hosts_waits_for_the_job_record(coordinator):
     assert run.returncode == 0, run.stderr
     assert "job-wide capture" in run.stdout and "job ring: done: 2 worker(s)" in run.stdout, run.stdout
     assert "straggler: worker worker-1" in run.stdout and "in input_wait" in run.stdout, run.stdout
+    assert "compared: worker worker-1" in run.stdout and "median worker worker-0" in run.stdout, run.stdout
     run = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "capture", "--api", f"http://127.0.0.1:{agent.api_port}",
                           "--all-hosts"], env={**os.environ, "TFPROFD_API_TOKEN": TOKEN}, capture_output=True,
                          text=True, timeout=60)
