@@ -89,7 +89,7 @@ def worker_gpu_busy(rate: str) -> timeseries.Panel:
               f"(rate(tfprofd_training_step_duration_seconds_count{{{selector}}}[{rate}]) > 0))")
     median = f"quantile by (training_job) (0.5, {worker})"
     workers = f"count by (training_job) (count by (training_job, worker) ({worker}))"
-    straggler = (f"{worker} and ({median} - on (training_job) group_right {worker} >= {IDLE_STRAGGLER}) "
+    straggler = (f"{worker} and ({median} - on (training_job) group_right () {worker} >= {IDLE_STRAGGLER}) "
                  f"and on (training_job) ({workers} >= 2)")
     red = [DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "red"}),
            DynamicConfigValue(id_val="custom.lineWidth", value=4),
