@@ -54,6 +54,9 @@ STATUS: dict[type[DomainError], int] = {InvalidRequest: 400, AmbiguousJob: 400, 
                                         StorageError: 507, DiscoveryFailed: 502}
 # Domain errors an Alertmanager retry can cure: the job may start reporting, the capture finish, the disk clear.
 RETRYABLE = (NoTrainingJob, CaptureBusy, StorageError)
+# The shipped straggler alert (prometheus/tfprofd-alerts.yaml): on the straggler's node, with a cluster to find the
+# job's other agents, it captures every worker of the job and compares the one it names with the median worker.
+STRAGGLER_ALERT = "TfprofdStraggler"
 
 
 def http_error(exc: DomainError) -> HttpError:
@@ -216,7 +219,11 @@ class ControlApi:
     # ---- captures ----
 
     def list_captures(self, request: Request) -> Response:
-        return json_response(200, {"captures": [r.public() for r in self.captures.list()]})
+        """This agent's captures and the job-wide captures it coordinated, newest first; ``scope`` tells them apart
+        (``host``: this host's workers; ``job``: a job record, every worker on every host)."""
+        records = [(r.requested_at, {"scope": "host", **r.public()}) for r in self.captures.list()]
+        records += [(r.requested_at, r.public()) for r in (self.jobwide.list() if self.jobwide else [])]
+        return json_response(200, {"captures": [r for _, r in sorted(records, key=lambda r: -r[0])]})
 
     def get_capture(self, request: Request) -> Response:
         record = self.captures.get(request.params["capture_id"]) or (
@@ -288,15 +295,17 @@ class ControlApi:
         outcome["forwarded"].append({"alerts": names, **answer})
         log.info("forwarded alerts %s to the agent at %s (it answered %d)", ", ".join(names), target, answer["status"])
 
-    def _job_alert(self, alert: dict[str, Any], labels: dict[str, str], outcome: dict[str, list[Any]]) -> None:
-        """A job-level alert (no host label, a training_job): a job-wide capture, once per firing."""
+    def _job_alert(self, alert: dict[str, Any], labels: dict[str, str], outcome: dict[str, list[Any]],
+                   suspect: str | None = None) -> None:
+        """A job-level alert (no host label, a training_job), or the straggler alert on the straggler's node
+        (``suspect``: the worker it names): a job-wide capture, once per firing."""
         assert self.jobwide is not None
         name, key = labels.get("alertname", "?"), alert_key(alert, labels)
         if self.policy.alert_handled(key):
             outcome["ignored"].append({"alert": name, "why": "already handled"})
             return None
         try:
-            record = self.jobwide.start(labels["training_job"], "alert")
+            record = self.jobwide.start(labels["training_job"], "alert", suspect=suspect)
         except (DiscoveryFailed, *RETRYABLE) as exc:  # Prometheus may answer, the job report, later
             outcome["retry"].append({"alert": name, "why": exc.reason})
             return None
@@ -324,6 +333,9 @@ class ControlApi:
                     else "another host"
                 outcome["ignored"].append({"alert": name, "why": why})
             return target
+        if name == STRAGGLER_ALERT and labels.get("training_job") and labels.get("worker") \
+                and self.jobwide is not None and self.jobwide.configured():
+            return self._job_alert(alert, labels, outcome, suspect=labels["worker"])
         key = alert_key(alert, labels)
         if self.policy.alert_handled(key):
             outcome["ignored"].append({"alert": name, "why": "already handled"})

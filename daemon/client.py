@@ -137,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def job_report(record: dict[str, Any]) -> str:
-    """A job record for a person: every worker, the skew, the straggler, the peers that failed."""
+    """A job record for a person: every worker, the skew, the straggler against the median worker, the peers
+    that failed."""
     skew = record.get("window_skew_ms")
     lines = [f"job {record['job']}: {record['status']}: {len(record['workers'])} worker(s)"
              + (f", windows {skew:.1f} ms apart" if skew is not None else "")]
@@ -146,6 +147,8 @@ def job_report(record: dict[str, Any]) -> str:
         lines.append(f"  {w['worker']} on {w['peer']}: {step}")
     straggler = record.get("straggler")
     lines.append(f"straggler: {straggler['why']}" if straggler else "no straggler")
+    if record.get("comparison"):
+        lines.append(f"compared: {record['comparison']['summary']}")
     lines += [f"failed: {f['peer']}: {f['why']}" for f in record.get("failed", [])]
     lines += [f"refused: {f['peer']}: {f['why']}" for f in record.get("refused", [])]
     return "\n".join(lines)

@@ -9,7 +9,9 @@ workers at that instant (``POST /api/v1/captures`` with ``start_at_ns`` and ``X-
 request never fans out again). Its own workers it captures itself. It then reads each peer's capture record
 until it is final and gathers the per-worker results into one ``JobRecord``: every worker by name, the window
 skew, the straggler and the part of its step that differs from the median worker, and every peer that
-failed, refused or answered late, with why (``partial``: never a silent quarter).
+failed, refused or answered late, with why (``partial``: never a silent quarter). The straggler (the one the
+``TfprofdStraggler`` alert named, else the slowest by the traces) is compared with the job's median worker over the
+same window, part by part and op by op, as a capture is compared with its job's baseline (``analysis.compare``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .analysis.model import CaptureAnalysis
+from .analysis.compare import compare
+from .analysis.model import CaptureAnalysis, Comparison, WorkerAnalysis
 from .captures import CaptureService
 from .cluster import JobPeers, PeerFinder
 from .errors import DomainError, InvalidRequest, NoTrainingJob
@@ -72,6 +75,24 @@ class Straggler:
 
 
 @dataclass(frozen=True)
+class WorkerComparison:
+    """The straggler against the job's median worker, traced over the same window: what differs, part by part
+    and op by op (``compare``, the median worker in the baseline's place)."""
+
+    worker: str  # the straggler
+    peer: str
+    reference: str  # the median worker of the others, by step time
+    reference_peer: str
+    named_by: str  # "alert" (the worker the alert named) or "trace" (the slowest in the capture)
+    summary: str
+    comparison: Comparison
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerComparison:
+        return cls(**{**data, "comparison": Comparison.from_json(data["comparison"])})
+
+
+@dataclass(frozen=True)
 class PeerFailure:
     peer: str
     why: str
@@ -86,6 +107,7 @@ class JobRecord:
     scope: str = "job"
     status: str = "running"  # running, done, partial, failed
     detail: str | None = None
+    suspect: str | None = None  # the worker the alert named as the straggler
     start_at_ns: int | None = None
     lead_ms: float | None = None
     peers: list[str] = field(default_factory=list)
@@ -93,6 +115,7 @@ class JobRecord:
     workers: list[WorkerResult] = field(default_factory=list)
     window_skew_ms: float | None = None
     straggler: Straggler | None = None
+    comparison: WorkerComparison | None = None  # the straggler against the median worker
     failed: list[PeerFailure] = field(default_factory=list)
     refused: list[PeerFailure] = field(default_factory=list)  # found by Prometheus, outside the allow-list
     late: list[PeerFailure] = field(default_factory=list)  # workers whose window opened after the instant
@@ -100,7 +123,10 @@ class JobRecord:
     first_start_at: float | None = None  # when the first worker's profiling was asked to start (Unix time)
 
     def public(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.comparison is not None:
+            out["comparison"]["comparison"] = self.comparison.comparison.to_json()
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobRecord:
@@ -111,6 +137,7 @@ class JobRecord:
         values["refused"] = [PeerFailure(**f) for f in values.get("refused", [])]
         values["late"] = [PeerFailure(**f) for f in values.get("late", [])]
         values["straggler"] = Straggler(**values["straggler"]) if values.get("straggler") else None
+        values["comparison"] = WorkerComparison.from_dict(values["comparison"]) if values.get("comparison") else None
         record = cls(**values)
         if not ID.match(record.id) or record.scope != "job":
             raise ValueError(f"{record.id!r} is not a job record")
@@ -157,10 +184,10 @@ class PeerClient:
         return status, answer
 
 
-def worker_results(peer: str, record: dict[str, Any]) -> list[WorkerResult]:
-    """The per-worker facts of one agent's capture record (its public JSON): the analysis read into the typed
-    model, each worker's trace file named after its profiler address; the record's ``targets`` give the
-    worker names. Raises ValueError when the peer's analysis is malformed."""
+def worker_results(peer: str, record: dict[str, Any]) -> list[tuple[WorkerResult, WorkerAnalysis]]:
+    """The per-worker facts of one agent's capture record (its public JSON), each with its analysis: the
+    analysis read into the typed model, each worker's trace file named after its profiler address; the record's
+    ``targets`` give the worker names. Raises ValueError when the peer's analysis is malformed."""
     names = {re.sub(r"[^A-Za-z0-9.-]", "_", t["address"].rpartition(":")[0].strip("[]"))
              + "_" + t["address"].rpartition(":")[2]: t["worker"] for t in record.get("targets", [])}
     if not record.get("analysis"):
@@ -173,9 +200,9 @@ def worker_results(peer: str, record: dict[str, Any]) -> list[WorkerResult]:
         name = names.get(stem) or (targets[0]["worker"] if len(targets) == 1 else stem or w.host or "?")
         parts = {**(w.breakdown_ms.to_json() if w.breakdown_ms else {}),
                  **(w.between_ms.to_json() if w.between_ms else {})}
-        out.append(WorkerResult(worker=str(name), peer=peer, capture_id=str(record.get("id", "")), steps=w.steps,
-                                step_ms=w.cycle_ms if w.steps and w.cycle_ms else None, parts_ms=parts,
-                                window_start_ns=w.window[0] if w.window else None))
+        out.append((WorkerResult(worker=str(name), peer=peer, capture_id=str(record.get("id", "")), steps=w.steps,
+                                 step_ms=w.cycle_ms if w.steps and w.cycle_ms else None, parts_ms=parts,
+                                 window_start_ns=w.window[0] if w.window else None), w))
     return out
 
 
@@ -197,6 +224,27 @@ def straggler_of(workers: list[WorkerResult]) -> Straggler | None:
     why = (f"worker {lead.worker} ({lead.peer}) takes {lead.step_ms:.1f} ms per step against a median of "
            f"{median:.1f} ms on the others: +{delta:.1f} ms per step in {part}")
     return Straggler(lead.worker, lead.step_ms, median, part, delta, why)
+
+
+def compare_workers(subject: WorkerResult, named_by: str, workers: list[WorkerResult],
+                    analyses: dict[tuple[str, str], WorkerAnalysis]) -> WorkerComparison | None:
+    """``subject`` against the median worker of the others (by step time; among equals, as in a synchronous job,
+    by name), from their analyses; None without another analysed worker or steps to compare."""
+    others = sorted((w for w in workers if w is not subject and w.step_ms and (w.peer, w.worker) in analyses),
+                    key=lambda w: (w.step_ms or 0.0, w.worker, w.peer))
+    mine = analyses.get((subject.peer, subject.worker))
+    if not others or mine is None:
+        return None
+    reference = others[(len(others) - 1) // 2]
+    theirs = analyses[(reference.peer, reference.worker)]
+    comparison = compare(CaptureAnalysis(theirs, (theirs,), theirs.summary),
+                         CaptureAnalysis(mine, (mine,), mine.summary), reference=f"worker {reference.worker}")
+    if comparison is None:
+        return None
+    summary = f"worker {subject.worker} ({subject.peer}) against the median worker {reference.worker} " \
+              f"({reference.peer}) over the same window: {comparison.summary}"
+    return WorkerComparison(subject.worker, subject.peer, reference.worker, reference.peer, named_by, summary,
+                            comparison)
 
 
 class JobCaptures:
@@ -233,8 +281,18 @@ class JobCaptures:
         with self._lock:
             return self._records.get(record_id)
 
-    def start(self, job: str, trigger: str, duration_ms: int | None = None) -> JobRecord:
-        """Find the job's agents and start the capture in the background; the record, ``running``.
+    def list(self) -> list[JobRecord]:
+        with self._lock:
+            return list(self._records.values())
+
+    def configured(self) -> bool:
+        """Whether this agent can find a job's other agents (cluster.prometheus_url or cluster.peers)."""
+        settings = self.finder().settings
+        return bool(settings.prometheus_url or settings.peers)
+
+    def start(self, job: str, trigger: str, duration_ms: int | None = None, suspect: str | None = None) -> JobRecord:
+        """Find the job's agents and start the capture in the background; the record, ``running``. ``suspect``:
+        the worker an alert named as the straggler, compared with the median worker in the record.
 
         Raises InvalidRequest (no cluster configured, a bad job name), DiscoveryFailed, and NoTrainingJob when
         no agent (this one included) has a worker of the job that may be asked."""
@@ -248,7 +306,7 @@ class JobCaptures:
             raise NoTrainingJob(f"no agent reports a worker of job {job!r}" + (f" that may be asked ({refused})"
                                                                              if refused else ""))
         now = time.time()
-        record = JobRecord(id=new_id(now), job=job, trigger=trigger, requested_at=now,
+        record = JobRecord(id=new_id(now), job=job, trigger=trigger, requested_at=now, suspect=suspect,
                            refused=[PeerFailure(r.instance, r.why) for r in found.refused])
         with self._lock:
             self._records[record.id] = record
@@ -314,17 +372,31 @@ class JobCaptures:
         deadline = start_at_ns / 1e9 + (duration_ms or 2000) / 1000 + capture_timeout + analysis_timeout + 10
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(64, len(asked)))) as pool:
             results = dict(zip(asked, pool.map(lambda p: self._follow(p, asked[p], deadline), asked), strict=True))
+        analyses: dict[tuple[str, str], WorkerAnalysis] = {}
         for peer, (workers, why) in results.items():
-            record.workers.extend(workers)
+            for worker, analysis in workers:
+                record.workers.append(worker)
+                analyses.setdefault((worker.peer, worker.worker), analysis)
             if why is not None:
                 record.failed.append(PeerFailure(peer, why))
-        self._conclude(record)
+        self._conclude(record, analyses)
 
-    def _conclude(self, record: JobRecord) -> None:
+    def _conclude(self, record: JobRecord, analyses: dict[tuple[str, str], WorkerAnalysis]) -> None:
         record.workers.sort(key=lambda w: w.worker)
         starts = [w.window_start_ns for w in record.workers if w.window_start_ns is not None]
         record.window_skew_ms = (max(starts) - min(starts)) / 1e6 if len(starts) > 1 else None
         record.straggler = straggler_of(record.workers)
+        unnamed = None
+        if record.suspect is not None:
+            subject = next((w for w in record.workers if w.worker == record.suspect), None)
+            if subject is None:
+                unnamed = f"the alert's straggler, worker {record.suspect!r}, was not traced"
+            else:
+                record.comparison = compare_workers(subject, "alert", record.workers, analyses)
+        elif record.straggler is not None:
+            subject = next(w for w in record.workers if w.worker == record.straggler.worker
+                           and w.step_ms == record.straggler.step_ms)
+            record.comparison = compare_workers(subject, "trace", record.workers, analyses)
         for w in record.workers:
             if w.window_start_ns is not None and record.start_at_ns is not None \
                     and (late := (w.window_start_ns - record.start_at_ns) / 1e6) > LATE_MS:
@@ -340,6 +412,10 @@ class JobCaptures:
         else:
             record.status = "done"
             record.detail = record.straggler.why if record.straggler else "no straggler"
+        if record.comparison is not None:
+            record.detail += "; " + record.comparison.summary
+        elif unnamed is not None:
+            record.detail += "; " + unnamed
         if record.late:
             record.detail += "; late: " + "; ".join(f.why for f in record.late)
 
@@ -372,7 +448,8 @@ class JobCaptures:
             return None, f"refused the capture ({status}): {answer.get('error', answer)}"
         return answer["id"], None
 
-    def _follow(self, peer: str, capture_id: str, deadline: float) -> tuple[list[WorkerResult], str | None]:
+    def _follow(self, peer: str, capture_id: str,
+                deadline: float) -> tuple[list[tuple[WorkerResult, WorkerAnalysis]], str | None]:
         """Read the peer's capture record until it is final: (its workers, why it failed or None)."""
         while True:
             try:

@@ -27,6 +27,7 @@ HOST = 'instance=~"$instance"'
 GPU = f'{HOST}, gpu=~"$gpu"'
 JOB = f'{HOST}, training_job=~"$training_job"'
 STRAGGLER = 1.2  # prometheus/tfprofd-alerts.yaml's TfprofdStraggler threshold (a test keeps them equal)
+IDLE_STRAGGLER = 0.2  # its GPU signal: this much less busy than the job's median worker (a test keeps them equal)
 
 
 def query(expr: str, legend: str = "", ref: str = "A", instant: bool = False) -> prometheus.Dataquery:
@@ -78,6 +79,37 @@ def worker_step_time(rate: str) -> timeseries.Panel:
             .override_by_query("B", dashed).override_by_query("C", red))
 
 
+def worker_gpu_busy(rate: str) -> timeseries.Panel:
+    """Each worker's GPUs' utilization, its job's median worker, and the stragglers marked: in a synchronous job
+    the waiting workers' GPUs spin in the all-reduce while the straggler's idle (step times are equal there)."""
+    by = "training_job, worker, instance"
+    selector = 'training_job=~"$training_job"'
+    worker = (f"(avg by ({by}) (tfprofd_gpu_utilization_ratio * on (instance, gpu) group_right "
+              f"tfprofd_gpu_job_info{{{selector}}}) and on ({by}) "
+              f"(rate(tfprofd_training_step_duration_seconds_count{{{selector}}}[{rate}]) > 0))")
+    median = f"quantile by (training_job) (0.5, {worker})"
+    workers = f"count by (training_job) (count by (training_job, worker) ({worker}))"
+    straggler = (f"{worker} and ({median} - on (training_job) group_right () {worker} >= {IDLE_STRAGGLER}) "
+                 f"and on (training_job) ({workers} >= 2)")
+    red = [DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "red"}),
+           DynamicConfigValue(id_val="custom.lineWidth", value=4),
+           DynamicConfigValue(id_val="custom.showPoints", value="always")]
+    dashed = [DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
+              DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "text"})]
+    return (series("GPU busy per worker", "percentunit",
+                   query(worker, "{{training_job}} {{worker}} on {{instance}}"),
+                   query(median, "median of {{training_job}}", "B"),
+                   query(straggler, "straggler: {{training_job}} {{worker}} on {{instance}}", "C"),
+                   description=f"Utilization of each stepping worker's GPUs (NVML; their mean where a worker has "
+                               f"several), on every host, against the job's median worker (dashed). In a "
+                               f"synchronous job every worker waits for the slowest at each all-reduce, so step "
+                               f"times are equal: the waiting workers' GPUs spin in the collective and the "
+                               f"straggler's idle. A worker {IDLE_STRAGGLER * 100:.0f} points or more under the "
+                               f"median in a job of two or more workers is drawn again in red; held 5 minutes (over "
+                               f"5-minute means), that is the TfprofdStraggler alert.", maximum=1)
+            .override_by_query("B", dashed).override_by_query("C", red))
+
+
 def build() -> dashboard.Dashboard:
     rate = "$__rate_interval"
     d = (dashboard.Dashboard("tfprofd: GPU training host").uid("tfprofd-host").tags(["tfprofd", "gpu", "training"])
@@ -109,6 +141,7 @@ def build() -> dashboard.Dashboard:
               "B"),
         description="Step duration measured by the hook."))
     d = d.with_panel(worker_step_time(rate))
+    d = d.with_panel(worker_gpu_busy(rate))
     job_gpu = f"tfprofd_gpu_job_info{{{JOB}}}"
     d = d.with_panel(table.Panel().title("Job to GPU and pod").unit("none").datasource(DATASOURCE).span(8).height(8)
                      .description("Which training job runs on which GPU (NVML process list joined with the hook) "

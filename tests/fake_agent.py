@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-PARTS = ("input_wait", "host_to_device", "device_compute", "host_compute", "other")
+PARTS = ("input_wait", "host_to_device", "device_compute", "device_collectives", "host_compute", "other")
 
 
 @dataclass
@@ -20,6 +20,8 @@ class FakeWorker:
     name: str
     step_ms: float = 10.0
     input_wait_ms: float = 1.0
+    collectives_ms: float = 0.0  # waiting in the all-reduce (a synchronous job's healthy workers)
+    ops: tuple[tuple[str, str, float], ...] = ()  # (kind, name, self time per step in ms): its top ops
 
 
 @dataclass
@@ -94,12 +96,17 @@ class FakeAgent:
             targets.append({"job": job, "worker": w.name, "address": address})
             breakdown = {p: 0.0 for p in PARTS}
             breakdown["input_wait"] = w.input_wait_ms
-            breakdown["device_compute"] = w.step_ms - w.input_wait_ms
+            breakdown["device_collectives"] = w.collectives_ms
+            breakdown["device_compute"] = w.step_ms - w.input_wait_ms - w.collectives_ms
+            ops: dict[str, list[dict[str, Any]]] = {"input": [], "host": [], "device": []}
+            for kind, name, ms in w.ops:
+                ops[kind].append({"name": name, "ms_per_step": ms, "ms_total": 20 * ms, "kernels": []})
             workers.append({"host": self.host, "trace": f"/x/{self.host}_{7000 + i}.xplane.pb", "steps": 20,
                             "window": [start_ns + 1_000_000 * i, start_ns + 2_000_000_000], "cycle_ms": w.step_ms,
                             "breakdown_ms": breakdown, "breakdown": {p: ms / w.step_ms for p, ms in breakdown.items()},
-                            "between_ms": {"between_steps_input": 0.0,
-                                                                      "between_steps_other": 0.0}})
+                            "between_ms": {"between_steps_input": 0.0, "between_steps_other": 0.0},
+                            "step_time_ms": {"mean": w.step_ms, "stdev": 0.0, "min": w.step_ms, "max": w.step_ms},
+                            "ops": ops})
         if self.outcome == "died":
             return {"id": capture_id, "job": job, "status": "failed", "reason": "died", "targets": targets,
                     "analysis": None, "detail": f"the process at {targets[0]['address']} died during the capture"}

@@ -33,7 +33,7 @@ from helpers import (
 pytestmark = [pytest.mark.tf, pytest.mark.servers]
 
 # Queries that return data only where the scenario has it: stragglers (test_step_time_per_worker_...).
-NEEDS_A_STRAGGLER = {"panel 'Step time per worker' C"}
+NEEDS_A_STRAGGLER = {"panel 'Step time per worker' C", "panel 'GPU busy per worker' C"}
 SUBSTITUTIONS = {"$instance": ".*", "$gpu": ".*", "$training_job": ".*", "$__rate_interval": "1m"}
 
 

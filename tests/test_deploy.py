@@ -52,7 +52,7 @@ def test_dashboard_is_modern_and_every_panel_has_a_unit():
 def test_alert_rules_pass_promtool_check_and_unit_tests():
     promtool = tool("promtool")
     check = run(promtool, "check", "rules", str(PROMETHEUS / "tfprofd-alerts.yaml"))
-    assert check.returncode == 0 and "SUCCESS: 11 rules found" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and "SUCCESS: 15 rules found" in check.stdout, check.stdout + check.stderr
     tests = run(promtool, "test", "rules", str(PROMETHEUS / "tfprofd-alerts.test.yaml"))
     assert tests.returncode == 0 and "SUCCESS" in tests.stdout, tests.stdout + tests.stderr
 
@@ -70,11 +70,16 @@ def test_every_alert_has_a_firing_and_a_quiet_case():
 def test_the_dashboard_marks_stragglers_at_the_alerts_threshold():
     rules = [r for g in yaml.safe_load((PROMETHEUS / "tfprofd-alerts.yaml").read_text())["groups"] for r in g["rules"]]
     expr = next(r["expr"] for r in rules if r.get("alert") == "TfprofdStraggler")
-    assert expr == "tfprofd:training_step_seconds:ratio_to_job_median5m - 1 >= 0.2", expr  # 1.2x the median
+    assert expr.split(" or ")[0] == "tfprofd:training_step_seconds:ratio_to_job_median5m - 1 >= 0.2", expr  # 1.2x
     board = json.loads((ROOT / "dashboards" / "tfprofd.json").read_text())
     panel = next(p for p in board["panels"] if p["title"] == "Step time per worker")
     marked = next(t["expr"] for t in panel["targets"] if t["refId"] == "C")
     assert ">= 1.2)" in marked, marked
+    # The GPU signal (synchronous jobs): 0.2 under the job's median worker, in the alert and in its panel.
+    assert expr.split(" or ")[1] == "tfprofd:training_worker_gpu_utilization:below_job_median5m >= 0.2", expr
+    panel = next(p for p in board["panels"] if p["title"] == "GPU busy per worker")
+    marked = next(t["expr"] for t in panel["targets"] if t["refId"] == "C")
+    assert ">= 0.2)" in marked, marked
 
 
 def test_example_alertmanager_config_passes_amtool():
@@ -92,7 +97,7 @@ def test_example_alertmanager_config_sends_the_slowdown_alerts_to_the_agents(ale
 def test_example_prometheus_config_passes_promtool_and_gives_the_alerts_their_job():
     config = PROMETHEUS / "prometheus-example.yml"
     result = run(tool("promtool"), "check", "config", str(config))
-    assert result.returncode == 0 and "SUCCESS: 11 rules found" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0 and "SUCCESS: 15 rules found" in result.stdout, result.stdout + result.stderr
     example = yaml.safe_load(config.read_text())
     jobs = {c["job_name"]: c for c in example["scrape_configs"]}
     rules = [r for g in yaml.safe_load((PROMETHEUS / "tfprofd-alerts.yaml").read_text())["groups"] for r in g["rules"]]

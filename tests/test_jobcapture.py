@@ -4,7 +4,9 @@ another token, a peer that answers late, a job that ends mid-capture, a forged j
 
 from __future__ import annotations
 
+import datetime
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -12,7 +14,7 @@ import sys
 import pytest
 from fake_agent import FakeAgent, FakeWorker
 
-from helpers import AgentProcess, free_port, http, wait_for
+from helpers import AgentProcess, Server, free_port, http, wait_for
 
 pytestmark = pytest.mark.servers
 
@@ -29,9 +31,9 @@ def coordinator(tmp_path):
     agents: list[AgentProcess] = []
     fakes: list[FakeAgent] = []
 
-    def start(peers: list[FakeAgent], more: tuple[str, ...] = ()) -> AgentProcess:
+    def start(peers: list[FakeAgent], more: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> AgentProcess:
         fakes.extend(peers)
-        args = ["--captures.baseline", "false", "--cluster.timeout", "10s"]  # pings on a busy test machine
+        args = ["--captures.baseline", "false", "--cluster.timeout", "10s", *extra]  # pings on a busy test machine
         if peers:
             args += ["--cluster.peers", ",".join([*(f"{p.host}:{p.port}" for p in peers), *more])]
         agent = AgentProcess(tmp_path, args=args, env={"TFPROFD_API_TOKEN": TOKEN}).start()
@@ -72,6 +74,12 @@ def test_one_request_one_instant_one_record_with_every_worker_and_the_straggler(
     assert (straggler["worker"], straggler["part"]) == ("worker-2", "input_wait")
     assert straggler["delta_ms"] == pytest.approx(6.0)
     assert record["failed"] == [] and len(record["captures"]) == 3
+    # The straggler against the median of the others (worker-0, by step time), part by part, in the record.
+    compared = record["comparison"]
+    assert (compared["worker"], compared["reference"], compared["named_by"]) == ("worker-2", "worker-0", "trace")
+    parts = {p["part"]: p["delta_ms"] for p in compared["comparison"]["parts"]}
+    assert parts["input_wait"] == pytest.approx(6.0) and compared["comparison"]["step_ms"] == [10.0, 16.0, 6.0]
+    assert compared["summary"] in record["detail"]
 
 
 def test_faults_are_named_in_a_partial_record(coordinator):
@@ -157,6 +165,7 @@ def test_tfprofd_capture_all_hosts_waits_for_the_job_record(coordinator):
     assert run.returncode == 0, run.stderr
     assert "job-wide capture" in run.stdout and "job ring: done: 2 worker(s)" in run.stdout, run.stdout
     assert "straggler: worker worker-1" in run.stdout and "in input_wait" in run.stdout, run.stdout
+    assert "compared: worker worker-1" in run.stdout and "median worker worker-0" in run.stdout, run.stdout
     run = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "capture", "--api", f"http://127.0.0.1:{agent.api_port}",
                           "--all-hosts"], env={**os.environ, "TFPROFD_API_TOKEN": TOKEN}, capture_output=True,
                          text=True, timeout=60)
@@ -187,3 +196,108 @@ def test_a_job_no_agent_has_is_refused_at_once(tmp_path):
         assert status == 503 and "unreachable" in outcome["retry"][0]["why"], outcome
     finally:
         agent.stop()
+
+
+def test_the_straggler_alert_on_its_node_compares_the_named_worker_with_the_median_one(coordinator):
+    """A synchronous job: every worker waits for the slowest at each all-reduce, so step times are equal and the
+    traces alone name no straggler. The alert (the GPU signal) names worker-2; the agent of its node captures the
+    whole job and says what differs between worker-2 and the median worker, part by part and op by op."""
+    healthy = (("input", "Iterator::Map", 0.5), ("device", "MatMul", 9.0))
+    slowed = (("input", "Iterator::Map", 40.2), ("device", "MatMul", 9.0))
+    peers = [fake([FakeWorker("worker-0", 51.2, 1.0, 40.0, healthy)]),
+             fake([FakeWorker("worker-1", 51.2, 1.0, 40.0, healthy)]),
+             fake([FakeWorker("worker-2", 51.3, 41.0, 0.3, slowed)])]
+    agent = coordinator(peers, extra=("--alerts.host-value", "127.0.0.1"))
+    alert = {"status": "firing", "fingerprint": "5f2", "startsAt": "2026-11-24T18:00:00Z",
+             "labels": {"alertname": "TfprofdStraggler", "severity": "warning", "job": "tfprofd",
+                        "instance": "127.0.0.1:9847", "training_job": "ring", "worker": "worker-2"}}
+    payload = {"version": "4", "status": "firing", "alerts": [alert]}
+    status, outcome = http("POST", f"{agent.api}/alerts", payload, token=TOKEN)
+    assert status == 200 and len(outcome["captures"]) == 1, outcome
+    record = job_record(agent, outcome["captures"][0])
+    assert (record["trigger"], record["status"], record["suspect"]) == ("alert", "done", "worker-2"), record
+    assert [w["worker"] for w in record["workers"]] == ["worker-0", "worker-1", "worker-2"]
+    assert [p.triggers for p in peers] == [["alert"]] * 3
+    assert record["straggler"] is None  # 51.3 against 51.2 ms: no step-time straggler
+    compared = record["comparison"]
+    assert (compared["worker"], compared["reference"], compared["named_by"]) == ("worker-2", "worker-0", "alert")
+    parts = {p["part"]: p["delta_ms"] for p in compared["comparison"]["parts"]}
+    assert parts["input_wait"] == pytest.approx(40.0) and parts["device_collectives"] == pytest.approx(-39.7)
+    [op] = compared["comparison"]["ops"]  # the ops that grew
+    assert (op["name"], op["kind"]) == ("Iterator::Map", "input") and op["delta_ms"] == pytest.approx(39.7)
+    assert "worker worker-2" in compared["summary"] and "median worker worker-0" in compared["summary"]
+    assert "+40.0 ms waiting for input" in record["detail"], record["detail"]
+    status, again = http("POST", f"{agent.api}/alerts", payload, token=TOKEN)
+    assert again["captures"] == [] and again["ignored"][0]["why"] == "already handled", again
+    agent.stop()  # the comparison is kept with the record
+    agent.start()
+    assert http("GET", f"{agent.api}/captures/{record['id']}", token=TOKEN) == (200, record)
+    # An alert naming a worker the job does not have: the job is still captured, and the record says so.
+    alert = {**alert, "fingerprint": "5f3", "labels": {**alert["labels"], "worker": "worker-9\n<script>"}}
+    status, outcome = http("POST", f"{agent.api}/alerts", {**payload, "alerts": [alert]}, token=TOKEN)
+    assert status == 200 and len(outcome["captures"]) == 1, outcome
+    other = job_record(agent, outcome["captures"][0])
+    assert other["comparison"] is None and other["suspect"] == "worker-9\n<script>", other
+    assert "the alert's straggler, worker 'worker-9\\n<script>', was not traced" in other["detail"], other["detail"]
+
+
+def test_the_capture_list_holds_job_records_marked_as_such(coordinator):
+    agent = coordinator([fake([FakeWorker("worker-0")]), fake([FakeWorker("worker-1")])])
+    status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+    assert status == 202, answer
+    record = job_record(agent, answer["id"])
+    status, listed = http("GET", f"{agent.api}/captures", token=TOKEN)
+    assert status == 200 and listed["captures"] == [record], listed
+    assert listed["captures"][0]["scope"] == "job"
+
+
+def test_a_job_level_alert_through_a_real_alertmanager_makes_one_job_record(coordinator, tmp_path):
+    """Debian's Alertmanager groups a job-level alert (aggregated over hosts: no instance) and posts it, again and
+    again while it fires, to an agent's webhook: one job-wide capture of every worker, once."""
+    if not shutil.which("prometheus-alertmanager"):
+        pytest.fail("prometheus-alertmanager not found: run `make test`, which installs Debian's packages")
+    peers = [fake([FakeWorker("worker-0", 10.0)]), fake([FakeWorker("worker-1", 30.0, input_wait_ms=21.0)])]
+    agent = coordinator(peers)
+    (tmp_path / "am-token").write_text(TOKEN)
+    am_port = free_port()
+    (tmp_path / "alertmanager.yml").write_text(f"""
+route:
+  receiver: tfprofd
+  group_by: [alertname, training_job]
+  group_wait: 1s
+  group_interval: 2s
+  repeat_interval: 2s
+receivers:
+  - name: tfprofd
+    webhook_configs:
+      - url: http://127.0.0.1:{agent.api_port}/api/v1/alerts
+        send_resolved: false
+        http_config:
+          authorization:
+            credentials_file: {tmp_path / "am-token"}
+""")
+    am = Server(["prometheus-alertmanager", f"--config.file={tmp_path / 'alertmanager.yml'}",
+                 f"--storage.path={tmp_path / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}",
+                 "--cluster.listen-address="], f"http://127.0.0.1:{am_port}/-/ready", tmp_path / "alertmanager.log")
+    try:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        alert = [{"labels": {"alertname": "JobStepSlow", "training_job": "ring", "severity": "warning"},
+                  "startsAt": now.isoformat(), "endsAt": (now + datetime.timedelta(hours=1)).isoformat()}]
+        status, answer = http("POST", f"http://127.0.0.1:{am_port}/api/v2/alerts", alert)
+        assert status == 200, answer
+
+        def sent() -> float:
+            text = http("GET", f"http://127.0.0.1:{am_port}/metrics")[1]
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith('alertmanager_notifications_total{integration="webhook"'))
+
+        wait_for(lambda: sent() >= 3, 60, 0.5, message="three notifications from Alertmanager")
+        listed = http("GET", f"{agent.api}/captures", token=TOKEN)[1]["captures"]
+        assert [(r["scope"], r["trigger"], r["job"]) for r in listed] == [("job", "alert", "ring")], listed
+        record = job_record(agent, listed[0]["id"])
+        assert record["status"] == "done", record
+        assert [w["worker"] for w in record["workers"]] == ["worker-0", "worker-1"]
+        assert record["straggler"]["worker"] == "worker-1" and record["straggler"]["part"] == "input_wait"
+        assert [p.triggers for p in peers] == [["alert"], ["alert"]]  # one capture each, for all the notifications
+    finally:
+        am.stop()

@@ -29,6 +29,7 @@ def cluster(tmp_path):
             agent.env["TFPROFD_API_TOKEN"] = TOKEN
             agent.args += ["--listen", f"{host}:{agent.port}", "--api.listen", f"{host}:{api_port}",
                            "--captures.baseline", "false", "--alerts.forward-networks", "127.0.0.0/8",
+                           "--alerts.host-value", host,
                            "--cluster.prometheus-url", f"http://127.0.0.1:{prom_port}"]
             agent.start(wait=False)
         for host, agent in agents.items():
@@ -73,15 +74,28 @@ def test_one_request_to_any_agent_captures_every_worker_in_one_window_and_names_
     print(json.dumps(record, indent=1))  # costs in README: requested_at -> start_at_ns -> finished_at
     _every_worker_and_the_straggler(record, api_port)
 
-    # The same from a job-level alert (aggregated over hosts: no instance) sent to another agent.
-    alert = {"status": "firing", "labels": {"alertname": "JobStraggler", "training_job": "ring"},
-             "fingerprint": "tf1", "startsAt": "2026-11-24T18:00:00Z"}
+    # The same from the straggler alert, sent to another agent: it goes on to the straggler's node, whose agent
+    # captures the whole job and compares the straggler with the median worker, over the same window.
+    straggler_host = HOSTS[1]
+    # Every agent has its next capture worker started again (the first capture used it): else, on a busy machine,
+    # one starts cold after the instant and the windows are tens of ms apart (named in the record's `late`).
+    wait_for(lambda: all(metric_value(http("GET", f"http://{h}:{a.port}/metrics")[1], "tfprofd_capture_worker_ready")
+                         == 1 for h, a in agents.items()), 120, 0.5, message="every agent's capture worker")
+    alert = {"status": "firing", "fingerprint": "tf1", "startsAt": "2026-11-24T18:00:00Z",
+             "labels": {"alertname": "TfprofdStraggler", "job": "tfprofd", "training_job": "ring", "worker": "worker-1",
+                        "instance": f"{straggler_host}:{agents[straggler_host].port}", "severity": "warning"}}
     status, outcome = http("POST", f"http://{HOSTS[0]}:{api_port}/api/v1/alerts",
                            {"version": "4", "status": "firing", "alerts": [alert]}, token=TOKEN)
-    assert status == 200 and len(outcome["captures"]) == 1, outcome
-    record = _final(agents, HOSTS[0], api_port, outcome["captures"][0])
-    assert record["trigger"] == "alert"
-    _every_worker_and_the_straggler(record, api_port, local=HOSTS[0])
+    assert status == 200 and outcome["forwarded"][0]["to"] == f"{straggler_host}:{api_port}", outcome
+    [record_id] = outcome["forwarded"][0]["answer"]["captures"]
+    record = _final(agents, straggler_host, api_port, record_id)
+    print(json.dumps(record, indent=1))
+    assert (record["trigger"], record["suspect"]) == ("alert", "worker-1")
+    _every_worker_and_the_straggler(record, api_port, local=straggler_host)
+    compared = record["comparison"]
+    assert (compared["worker"], compared["named_by"]) == ("worker-1", "alert") and compared["reference"] != "worker-1"
+    before, after, _ = compared["comparison"]["step_ms"]
+    assert after > 2 * before and compared["comparison"]["parts"][0]["part"] == "input_wait", compared  # 10x slower
 
 
 def _final(agents: dict[str, AgentProcess], host: str, api_port: int, record_id: str) -> dict:
@@ -91,7 +105,7 @@ def _final(agents: dict[str, AgentProcess], host: str, api_port: int, record_id:
         return record if record["status"] != "running" else None
 
     record = wait_for(final, 400, 1, message="the job record")
-    assert record["status"] == "done", (record, [a.log()[-2000:] for a in agents.values()])
+    assert record["status"] == "done", (record["failed"], record["detail"], [a.log()[-2000:] for a in agents.values()])
     return record
 
 

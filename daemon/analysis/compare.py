@@ -71,8 +71,9 @@ def _faster(before: float, after: float, rates: Pair, batches: Pair, kind: str) 
 
 
 def compare(baseline: CaptureAnalysis, incident: CaptureAnalysis, rates: Pair = (None, None),
-            batches: Pair = (None, None)) -> Comparison | None:
-    """What changed from the job's baseline capture to this one (None if either has no steps)."""
+            batches: Pair = (None, None), reference: str = "the baseline") -> Comparison | None:
+    """What changed from the job's baseline capture to this one (None if either has no steps). ``reference``
+    names the baseline in the summary (a job record compares a straggler with another worker)."""
     b, i = baseline.lead, incident.lead
     if not b.steps or not i.steps or b.step_time_ms is None or i.step_time_ms is None \
             or b.breakdown_ms is None or i.breakdown_ms is None:
@@ -108,7 +109,7 @@ def compare(baseline: CaptureAnalysis, incident: CaptureAnalysis, rates: Pair = 
         detail += "; no longer among the top ops: " + ", ".join(f"{o.name} ({o.before_ms:.2f} ms per step before)"
                                                              for o in gone[:3])
     if faster:
-        summary = f"faster than the baseline: {', '.join(lead)}: {detail}; now: {i.bottleneck}"
+        summary = f"faster than {reference}: {', '.join(lead)}: {detail}; now: {i.bottleneck}"
     else:
         summary = f"{', '.join(lead)}: {detail}; cause: {i.bottleneck}"
     return Comparison(summary=summary, step_ms=(before, after, after - before), parts=tuple(parts), ops=tuple(ops),
