@@ -49,6 +49,7 @@ BEFORE_SECONDS = 30.0  # the host's load this long before the capture was asked 
 SAMPLED = ("cpu", "memory", "nvml")  # collectors whose signals over the window go in the record
 PSI = ("cpu", "io", "memory")
 TOP_OTHERS = 3
+CPU_BOUND_SHARE = 0.95  # a job whose threads were ready to use this share of the host's CPUs never slept
 CONTENTION_RECOMMENDATION = (
     "Other processes take the CPUs the job is ready to use: move them off this host, give the job CPUs of its "
     "own (a Kubernetes Guaranteed pod with integer CPU requests and the static CPU manager policy, or a cpuset), "
@@ -426,20 +427,22 @@ def join(trace: TraceVerdict, host: HostContext | None, rule: str | None = None)
 
     CPU contention stretches host work (``host``, ``small_batch``), CPU compute (``device`` on a CPU-only trace)
     and a trace too starved to show steps (``unknown``): there, contention is the cause. It does not make a GPU
-    compute longer. A step that waits for input is contention's too when the wait is no larger than the share
-    of its ready time the job spent waiting for a CPU (a pipeline starved of CPU); a longer wait keeps its
-    ``input`` verdict (or ``transfer``), with the contention noted beside it: a reader that sleeps on storage
-    (the demo's injected bottleneck) is not explained by a CPU hog, and the input pipeline is where it is fixed."""
+    compute longer. A step that waits for input is contention's too when the job was CPU-bound throughout (its
+    threads were ready to use every CPU of the host) and the wait is no larger than the share of that CPU it
+    did not get: a pipeline starved of CPU. Otherwise it keeps its ``input`` verdict (or ``transfer``), with
+    the contention noted beside it: a job whose threads want fewer CPUs than the host has also sleeps, and a
+    reader that sleeps on storage (the demo's injected bottleneck) is not explained by a CPU hog."""
     if host is None or host.contention is None:
         return None
     c = host.contention
     cpu_bound = trace.kind in ("host", "small_batch", "unknown") or (
         trace.kind == "device" and trace.hardware in ("CPU_ONLY", ""))
-    starved_input = trace.kind == "input" and trace.input_share is not None and trace.input_share <= c.lost_share
+    starved_input = (trace.kind == "input" and trace.input_share is not None and trace.input_share <= c.lost_share
+                     and host.cpus is not None and c.wanted_cores >= CPU_BOUND_SHARE * host.cpus)
     if not (cpu_bound or starved_input):
         return None
-    why = c.why + (f"; the step's {trace.input_share:.0%} wait for input is within the {c.lost_share:.0%} of the "
-                   "CPU the job was ready to use and did not get: its input pipeline was starved of CPU"
+    why = c.why + (f"; the job was ready to use every CPU, and the step's {trace.input_share:.0%} wait for input "
+                   f"is within the {c.lost_share:.0%} of that it did not get: its input pipeline was starved of CPU"
                    if starved_input else "")
     return Cause("host_contention", why + _fired(rule), CONTENTION_RECOMMENDATION, trace.kind, trace.summary)
 

@@ -4,6 +4,7 @@ with the trace's verdict (fixture /proc trees: tests/fixtures/hostcontext)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -108,17 +109,24 @@ def test_a_procfs_without_stat_is_an_error_not_a_guess(tmp_path):
         read_edge(HostPaths(tmp_path), [JOB], AGENT, now=1.0)
 
 
-@pytest.mark.parametrize("kind, hardware, ratio, final", [
-    ("device", "CPU_ONLY", None, "host_contention"),  # CPU compute stretched by the neighbours
-    ("small_batch", "CPU_ONLY", None, "host_contention"),
-    ("host", "GPU", None, "host_contention"),
-    ("device", "GPU", None, "device"),  # CPU contention does not make GPU kernels longer
-    ("input", "CPU_ONLY", 0.8, "input"),  # a wait longer than starvation explains keeps its verdict, noted
-    ("input", "GPU", 0.3, "host_contention"),  # a wait within the CPU the job lost: a starved pipeline
-    ("transfer", "GPU", 0.3, "transfer"),
+def saturated() -> HostContext:
+    """The window, with the job's threads ready to use both CPUs (CPU-bound throughout): it lost 70% of them."""
+    host = replace(window(), job_wait_cores=1.6)
+    return replace(host, contention=contention(host))
+
+
+@pytest.mark.parametrize("kind, hardware, ratio, host, final", [
+    ("device", "CPU_ONLY", None, window, "host_contention"),  # CPU compute stretched by the neighbours
+    ("small_batch", "CPU_ONLY", None, window, "host_contention"),
+    ("host", "GPU", None, window, "host_contention"),
+    ("device", "GPU", None, window, "device"),  # CPU contention does not make GPU kernels longer
+    ("input", "CPU_ONLY", 0.3, window, "input"),  # the job wanted 1.2 of 2 CPUs: it also slept, maybe on reads
+    ("input", "GPU", 0.3, saturated, "host_contention"),  # CPU-bound, a wait within the CPU lost: starved
+    ("input", "CPU_ONLY", 0.9, saturated, "input"),  # a wait longer than the starvation explains
+    ("transfer", "GPU", 0.3, saturated, "transfer"),
 ])
-def test_the_join_names_contention_only_where_it_explains_the_step(kind, hardware, ratio, final):
-    host = window()
+def test_the_join_names_contention_only_where_it_explains_the_step(kind, hardware, ratio, host, final):
+    host = host()
     parts = {} if ratio is None else {
         "breakdown_ms": {"input_wait": 10 * ratio, "device_compute": 10 * (1 - ratio)},
         "breakdown": {"input_wait": ratio, "device_compute": 1 - ratio}, "input_bound_ratio": ratio}
@@ -133,8 +141,8 @@ def test_the_join_names_contention_only_where_it_explains_the_step(kind, hardwar
             assert result.summary.startswith("host_contention: other processes used 1.4 of 2 CPUs")
             assert "(rule throughput_drop fired while the host was contended)" in result.summary
             if kind == "input":
-                assert "the step's 30% wait for input is within the 60% of the CPU the job was ready to use and " \
-                       "did not get: its input pipeline was starved of CPU" in result.summary
+                assert "the job was ready to use every CPU, and the step's 30% wait for input is within the 70% " \
+                       "of that it did not get: its input pipeline was starved of CPU" in result.summary
             assert result.summary.endswith(f"the trace alone says {kind}: the trace's sentence")
             assert result.lead.recommendation == "the trace's advice"
             assert "CPUs of its own" in result.recommendation
