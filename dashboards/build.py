@@ -52,6 +52,22 @@ def variable(name: str, label: str, expr: str) -> dashboard.QueryVariable:
             .multi(True).include_all(True).all_value(".*"))
 
 
+def per_worker(title: str, unit: str, worker: str, median: str, straggler: str, description: str,
+               maximum: float | None = None) -> timeseries.Panel:
+    """A panel of each worker of a job against the job's median worker (dashed), the stragglers drawn again in red."""
+    red = [DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "red"}),
+           DynamicConfigValue(id_val="custom.lineWidth", value=4),
+           DynamicConfigValue(id_val="custom.showPoints", value="always")]
+    dashed = [DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
+              DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "text"})]
+    return (series(title, unit,
+                   query(worker, "{{training_job}} {{worker}} on {{instance}}"),
+                   query(median, "median of {{training_job}}", "B"),
+                   query(straggler, "straggler: {{training_job}} {{worker}} on {{instance}}", "C"),
+                   description=description, maximum=maximum)
+            .override_by_query("B", dashed).override_by_query("C", red))
+
+
 def worker_step_time(rate: str) -> timeseries.Panel:
     """Each worker's mean step time, its job's median, and the stragglers marked (every host: a job's workers
     are compared with each other wherever they run)."""
@@ -63,20 +79,11 @@ def worker_step_time(rate: str) -> timeseries.Panel:
     workers = f"count by (training_job) (count by (training_job, worker) ({worker}))"
     straggler = (f"{worker} and ({worker} / on (training_job) group_left {median} >= {STRAGGLER}) "
                  f"and on (training_job) ({workers} >= 2)")
-    red = [DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "red"}),
-           DynamicConfigValue(id_val="custom.lineWidth", value=4),
-           DynamicConfigValue(id_val="custom.showPoints", value="always")]
-    dashed = [DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
-              DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "text"})]
-    return (series("Step time per worker", "s",
-                   query(worker, "{{training_job}} {{worker}} on {{instance}}"),
-                   query(median, "median of {{training_job}}", "B"),
-                   query(straggler, "straggler: {{training_job}} {{worker}} on {{instance}}", "C"),
-                   description=f"Mean step time of each worker of the job, on every host, against the median of "
+    return per_worker("Step time per worker", "s", worker, median, straggler,
+                      description=f"Mean step time of each worker of the job, on every host, against the median of "
                                f"the job's workers (dashed). A worker {STRAGGLER}x the median or slower in a job of "
                                f"two or more workers is drawn again in red; held 5 minutes, that is the "
                                f"TfprofdStraggler alert, which captures a profile on the straggler's host.")
-            .override_by_query("B", dashed).override_by_query("C", red))
 
 
 def worker_gpu_busy(rate: str) -> timeseries.Panel:
@@ -91,23 +98,14 @@ def worker_gpu_busy(rate: str) -> timeseries.Panel:
     workers = f"count by (training_job) (count by (training_job, worker) ({worker}))"
     straggler = (f"{worker} and ({median} - on (training_job) group_right () {worker} >= {IDLE_STRAGGLER}) "
                  f"and on (training_job) ({workers} >= 2)")
-    red = [DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "red"}),
-           DynamicConfigValue(id_val="custom.lineWidth", value=4),
-           DynamicConfigValue(id_val="custom.showPoints", value="always")]
-    dashed = [DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}),
-              DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "text"})]
-    return (series("GPU busy per worker", "percentunit",
-                   query(worker, "{{training_job}} {{worker}} on {{instance}}"),
-                   query(median, "median of {{training_job}}", "B"),
-                   query(straggler, "straggler: {{training_job}} {{worker}} on {{instance}}", "C"),
-                   description=f"Utilization of each stepping worker's GPUs (NVML; their mean where a worker has "
+    return per_worker("GPU busy per worker", "percentunit", worker, median, straggler,
+                      description=f"Utilization of each stepping worker's GPUs (NVML; their mean where a worker has "
                                f"several), on every host, against the job's median worker (dashed). In a "
                                f"synchronous job every worker waits for the slowest at each all-reduce, so step "
                                f"times are equal: the waiting workers' GPUs spin in the collective and the "
                                f"straggler's idle. A worker {IDLE_STRAGGLER * 100:.0f} points or more under the "
                                f"median in a job of two or more workers is drawn again in red; held 5 minutes (over "
                                f"5-minute means), that is the TfprofdStraggler alert.", maximum=1)
-            .override_by_query("B", dashed).override_by_query("C", red))
 
 
 def build() -> dashboard.Dashboard:
