@@ -239,6 +239,7 @@ class Reporter:
     def _run(self) -> None:
         """A report every ``interval``; between them, an early one when a step was an outlier (``_outlier``)."""
         due = perf_counter() + self.interval
+        follow_up = False  # the report after an outlier's comes half an interval later, flagged like it
         while True:
             early = self._early.wait(max(0.0, due - perf_counter()))
             if self._stop.is_set():
@@ -246,11 +247,13 @@ class Reporter:
             if early:
                 self._early.clear()
                 self._report_outlier()
+                due, follow_up = min(due, perf_counter() + self.interval / 2), True
                 continue
             due = max(due + self.interval, perf_counter())
             self._fold()
             self._idle_check()
-            self.flush()
+            self.flush(outlier=follow_up)
+            follow_up = False
             self._arm_outlier()
 
     def _outlier(self) -> None:
@@ -268,7 +271,8 @@ class Reporter:
 
     def _report_outlier(self) -> None:
         """Two reports at once: the steps before the outlier, then the outlier (and any after it), so the agent
-        sees the step time jump in a report of its own, a second early (see README: Captures)."""
+        sees the step time jump in a report of its own, up to a second early; the next report follows half an
+        interval later (see README: Captures). Both are flagged: the agent samples on them at once."""
         self._early_next = perf_counter() + OUTLIER_EVERY
         with self._send_lock:
             with self._fold_lock:

@@ -52,7 +52,7 @@ _MAX_COUNT = 2**53
 MAX_BRACKETS = 16  # the schema nests 3 deep; more brackets than this is not a report
 MAX_PROCESSES_PER_JOB = 64
 RATE_STALE_SECONDS = 5.0  # a process silent this long no longer counts as training or has a rate
-OUTLIER_WAKE_EVERY = 0.5  # s: a process's outlier reports ask for a sample at most this often (the hook: once a second)
+OUTLIER_WAKE_EVERY = 0.4  # s: a process's flagged reports ask for a sample at most this often (the hook: 2 a second)
 FOLDED_KEPT = 64  # processes per job whose counters were folded in, remembered to undo a fold
 NEW_JOB_LOGS_PER_MINUTE = 20
 REFUSED_LOGS_PER_MINUTE = 20
@@ -84,7 +84,7 @@ class Report:
     step_buckets: tuple[int, ...]
     first_step_seconds: float | None
     profiler: str | None
-    outlier: bool = False  # it ends with a step far longer than the ones before: sample now (rate-limited)
+    outlier: bool = False  # it ends with a step far longer than the ones before, or follows such a report: sample now
 
 
 @dataclass(frozen=True)
