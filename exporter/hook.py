@@ -239,7 +239,7 @@ class Reporter:
     def _run(self) -> None:
         """A report every ``interval``; between them, an early one when a step was an outlier (``_outlier``)."""
         due = perf_counter() + self.interval
-        follow_up = False  # the report after an outlier's comes half an interval later, flagged like it
+        follow_up = False  # after an outlier, the next report comes half an interval later, flagged
         while True:
             early = self._early.wait(max(0.0, due - perf_counter()))
             if self._stop.is_set():
@@ -257,7 +257,8 @@ class Reporter:
             self._arm_outlier()
 
     def _outlier(self) -> None:
-        """On the training thread, once a step took over ``_outlier_above``: wake the reporter thread."""
+        """On the training thread, once a step took over ``_outlier_above``: wake the reporter thread (it reports
+        the steps before this one at once)."""
         self._outlier_seen, self._outlier_above = self._outlier_above, float("inf")
         self._early.set()
 
@@ -270,16 +271,14 @@ class Reporter:
             self._outlier_above = OUTLIER_FACTOR * total / n
 
     def _report_outlier(self) -> None:
-        """Two reports at once: the steps before the outlier, then the outlier (and any after it), so the agent
-        sees the step time jump in a report of its own, up to a second early; the next report follows half an
-        interval later (see README: Captures). Both are flagged: the agent samples on them at once."""
+        """A report of the steps before the outlier, now; the next one (``_run``: half an interval later, flagged,
+        the agent samples on it at once) then holds only the outlier and the steps after it: a slowdown that
+        lasts shows undiluted by the fast steps before it, a lone slow step (a stall) diluted by the fast ones
+        after it (see README: Captures)."""
         self._early_next = perf_counter() + OUTLIER_EVERY
-        with self._send_lock:
-            with self._fold_lock:
-                self._fold(below=self._outlier_seen)
-                self._send(fold=False)
-            self._send(outlier=True)
-        with self._fold_lock:
+        with self._send_lock, self._fold_lock:
+            self._fold(below=self._outlier_seen)
+            self._send(fold=False)
             self._fold_n, self._fold_s = 0, 0.0  # the next threshold comes from the steps after the outlier
 
     def _idle_check(self) -> None:
