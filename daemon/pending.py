@@ -181,7 +181,7 @@ class RingWorker:
                 return result
         except ValueError:
             pass
-        self.close()
+        self.close(wait=0.0)
         said = line.strip()[:300] or " / ".join(list(self._stderr)[-3:])[-300:] or "no output"
         return {"status": "failed", "reason": "timeout" if not ready else "error",
                 "detail": f"the snapshot worker gave no answer within {timeout:.0f}s" if not ready
@@ -197,13 +197,13 @@ class RingWorker:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def close(self) -> None:
-        """The worker ends (killed if it still runs) and its place in the pool is free."""
+    def close(self, wait: float = 5.0) -> None:
+        """The worker ends (killed if it still runs after ``wait`` seconds) and its place in the pool is free."""
         proc, self.proc = self.proc, None
         if proc is not None:
             self._refused = Outcome("error", None, "the snapshot worker ended")
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5)
+                proc.wait(wait)
             self.pool.put_back(proc)
 
 
