@@ -309,16 +309,18 @@ class Reporter:
             self._fold()
 
     def _fold(self, below: float = float("inf")) -> None:
-        """Count the steps queued since the last call; with ``below``, only those before the first one that
-        took longer."""
+        """Count the steps queued before this call; with ``below``, only those before the first one that took
+        longer (an outlier's early report)."""
         with self._fold_lock:
             done = self._done
-            while done:
-                if done[0][1] > below:
-                    return
+            if below != float("inf"):
+                before: deque[tuple[float, float, int, int]] = deque()
+                while done and done[0][1] <= below:
+                    before.append(done.popleft())
+                done = before
+            count, time_before = len(done), self.step_time_sum
+            for _ in range(count):
                 ended, seconds, steps, samples = done.popleft()
-                self._fold_n += 1
-                self._fold_s += seconds
                 if self.first_step_seconds is None:
                     ended_at = time.time() - (perf_counter() - ended)
                     self.first_step_seconds = max(ended_at - self.process_start, 0.0)
@@ -330,6 +332,8 @@ class Reporter:
                 index = bisect.bisect_left(STEP_BUCKETS, per_step)
                 if index < len(self.step_buckets):
                     self.step_buckets[index] += steps
+            self._fold_n += count  # for the next outlier threshold: the mean of the steps counted since
+            self._fold_s += self.step_time_sum - time_before
 
     def begin_step(self, steps: int = 1) -> None:
         """Mark the start of a step, or of ``steps`` steps run as one (Keras's steps_per_execution), with a
