@@ -1,7 +1,9 @@
 """One profile capture, run as a short-lived process so a stuck or crashing capture never hurts the agent.
 
 Started ahead of its request (daemon/workers.py keeps one waiting): it loads gRPC and the protobufs first,
-then reads one JSON request on stdin and writes one JSON result line on stdout. Never imports TensorFlow.
+then reads one JSON request line on stdin and writes one JSON result line on stdout. Never imports TensorFlow.
+A request with ``"ring": true`` is a continuous-profiling ring instead (daemon/snapshot_worker.py: it then
+talks with the agent line by line), so arming one on a pending rule is an RPC, not a process start.
 
 Two modes:
 - ``agent`` (default): a ProfileRequest with ``emit_xspace`` over gRPC to every target at once, all
@@ -371,6 +373,8 @@ def _warm_up() -> None:
 
     import grpc
 
+    from . import snapshot_worker  # noqa: F401  (a ring request needs it)
+
     with grpc.insecure_channel("localhost:1", options=[("grpc.enable_http_proxy", 0)]) as channel:
         with contextlib.suppress(grpc.FutureTimeoutError):
             grpc.channel_ready_future(channel).result(timeout=0.05)  # port 1: refused at once, nothing sent
@@ -381,7 +385,11 @@ def main() -> int:
     _warm_up()
     signal_ready()
 
-    request = json.load(sys.stdin)
+    request = json.loads(sys.stdin.readline())
+    if request.get("ring"):
+        from .snapshot_worker import serve
+
+        return serve(request)
     logdir = Path(request["logdir"])
     try:
         if request["mode"] == "agent":

@@ -29,11 +29,10 @@ from .jobs import JobRegistry, Target
 from .pending import PendingCaptures, PendingEntry, run_on_pending
 from .policy import Admission, CapturePolicy
 from .records import ACTIVE, FINISHED, TRIGGERS, CaptureRecord, RecordStore, new_id
-from .workers import WorkerPool
+from .workers import CAPTURE_WORKER, WorkerPool
 
 log = logging.getLogger("tfprofd.captures")
 
-CAPTURE_WORKER = "tfprofd.daemon.capture_worker"
 AGENT_MODE_DIR = 0o750  # the agent writes the trace itself: its group may read, nobody else
 
 

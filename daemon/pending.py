@@ -9,20 +9,20 @@ for every capture: a discarded capture still counted, so a flapping rule cannot 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import os
 import select
 import subprocess
-import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .hostcontext import HostContext
 from .rules import CLEARED, FIRING, PENDING, RESOLVED, Transition
-from .workers import PARENT_ENV
+from .workers import CAPTURE_WORKER, Outcome, WorkerPool
 
 if TYPE_CHECKING:
     from .captures import CaptureService
@@ -132,18 +132,34 @@ def on_transition(t: Transition, captures: CaptureService, on_pending: bool, int
 # ---- running one ----
 
 class RingWorker:
-    """The snapshot worker process of one capture; talks to it over its stdin and stdout."""
+    """A ring of snapshots in a capture worker of ``pool`` (the pre-started one: arming is an RPC, not a process
+    start); talks to it over its stdin and stdout."""
 
-    def __init__(self, request: dict[str, Any]):
-        env = {**os.environ, PARENT_ENV: str(os.getpid())}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tfprofd.daemon.snapshot_worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                                     start_new_session=True, umask=0o027)
-        self._send(json.dumps(request))
+    def __init__(self, pool: WorkerPool, request: dict[str, Any], queue_timeout: float):
+        self.pool = pool
+        self.prestarted = False
+        self.proc: subprocess.Popen | None = None
+        self._refused: Outcome | None = None
+        self._stderr: deque[str] = deque(maxlen=20)
+        taken = pool.take(CAPTURE_WORKER, queue_timeout)
+        if isinstance(taken, Outcome):
+            self._refused = taken
+            return
+        self.proc, self.prestarted = taken
+        threading.Thread(target=self._drain, args=(self.proc,), daemon=True,
+                         name=f"tfprofd-ring-stderr-{self.proc.pid}").start()
+        self._send(json.dumps({**request, "ring": True}))
+
+    def _drain(self, proc: subprocess.Popen) -> None:
+        """Read its stderr (gRPC's logging) so it never blocks on a full pipe; the last lines explain a failure."""
+        assert proc.stderr is not None
+        with contextlib.suppress(OSError, ValueError):
+            for line in proc.stderr:
+                self._stderr.append(line.rstrip())
 
     def _send(self, line: str) -> None:
         try:
-            assert self.proc.stdin is not None
+            assert self.proc is not None and self.proc.stdin is not None
             self.proc.stdin.write(line + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
@@ -151,6 +167,11 @@ class RingWorker:
 
     def answer(self, timeout: float) -> dict[str, Any]:
         """Its next JSON line; a failure result if it says nothing in time (it is then killed)."""
+        if self.proc is None:
+            refused = self._refused
+            assert refused is not None
+            return {"status": "failed", "reason": "agent_stopped" if refused.status == "stopped" else "error",
+                    "detail": refused.detail}
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
@@ -160,26 +181,30 @@ class RingWorker:
                 return result
         except ValueError:
             pass
-        self.kill()
+        self.close(wait=0.0)
+        said = line.strip()[:300] or " / ".join(list(self._stderr)[-3:])[-300:] or "no output"
         return {"status": "failed", "reason": "timeout" if not ready else "error",
                 "detail": f"the snapshot worker gave no answer within {timeout:.0f}s" if not ready
-                else f"the snapshot worker ended: {line.strip()[:300] or 'no output'}"}
+                else f"the snapshot worker ended: {said}"}
 
     def finish(self, command: str, timeout: float) -> dict[str, Any]:
         self._send(command)
         result = self.answer(timeout)
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        self.close()
         return result
 
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, 9)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def close(self, wait: float = 5.0) -> None:
+        """The worker ends (killed if it still runs after ``wait`` seconds) and its place in the pool is free."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            self._refused = Outcome("error", None, "the snapshot worker ended")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(wait)
+            self.pool.put_back(proc)
 
 
 def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict[str, Any], admission: Admission,
@@ -189,16 +214,23 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
     record.context = {**(record.context or {}), "on_pending": True, "drop_at": entry.drop_at}
     ring = None
     if s.snapshots and request["mode"] == "agent" and len(request["targets"]) == 1:
-        ring = RingWorker({**request, "interval": s.snapshot_interval, "keep": s.snapshot_keep,
-                           "max_bytes": s.snapshot_max_bytes, "rpc_timeout": 30.0,
-                           "min_s": request["duration_ms"] / 1000,
-                           "deadline_s": max(0.0, entry.deadline - service.clock.monotonic()) + 60})
+        ring = RingWorker(service.capture_workers, {
+            **request, "interval": s.snapshot_interval, "keep": s.snapshot_keep, "max_bytes": s.snapshot_max_bytes,
+            "rpc_timeout": 30.0, "min_s": request["duration_ms"] / 1000,
+            "deadline_s": max(0.0, entry.deadline - service.clock.monotonic()) + 60}, s.timeout)
         armed = ring.answer(s.timeout)
+        log.info("capture %s: snapshot ring in worker %s (%s): %s", record.id, ring.pid,
+                 "pre-started" if ring.prestarted else "started on request: none was waiting",
+                 "armed" if armed.get("armed") else armed.get("status"))
         if armed.get("armed"):
             record.context["mode"] = "snapshots"
             window = service._host(lambda host: host.open(record.job))  # the host beside the ring, as a capture
-            outcome = service.pending.wait(entry)
-            result = ring.finish("keep" if outcome == FIRED else "drop", s.timeout + request["duration_ms"] / 1000)
+            try:
+                outcome = service.pending.wait(entry)
+                result = ring.finish("keep" if outcome == FIRED else "drop",
+                                     s.timeout + request["duration_ms"] / 1000)
+            finally:
+                ring.close()  # whatever happened, the worker ends and its place is free
             if isinstance(window, HostContext):  # the window could not be opened: the record says why
                 record.host = window
             elif window is not None:
@@ -210,7 +242,7 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
             record.context["snapshots"] = result.get("snapshots", [])
             _apply(record, result, service.clock.time(), s.analyze)
             return
-        ring.proc.wait()
+        ring.close()
         if armed.get("status") != "unimplemented":
             _apply(record, armed, service.clock.time(), s.analyze)
             service.policy.release(admission)

@@ -1,4 +1,4 @@
-"""Continuous profiling while a rule is pending: a worker process that keeps a bounded ring of snapshots.
+"""Continuous profiling while a rule is pending: a capture worker that keeps a bounded ring of snapshots.
 
 TensorFlow 2.21's profiler server implements ``StartContinuousProfiling``, ``GetSnapshot`` and
 ``StopContinuousProfiling`` (openxla/xla ``xla/tsl/profiler/rpc/profiler_service_impl.cc``): a snapshot
@@ -6,6 +6,7 @@ returns the XSpace in the response (never a file), covering everything since the
 last snapshot, and the server starts a new session. The server keeps no ring, so this process snapshots
 every ``interval`` seconds and keeps the newest (at most ``keep`` snapshots and ``max_bytes``).
 
+It runs in the capture worker started ahead of time (daemon/capture_worker.py, a request with ``"ring": true``).
 Protocol: one JSON request line on stdin; this process answers one line (``{"armed": true}``, or a final
 result: ``unimplemented`` when the server has no such RPCs, ``failed`` otherwise), then reads commands:
 ``keep`` (take a last snapshot, write the ring as consecutive run directories, stop profiling, answer the
@@ -16,7 +17,6 @@ Never imports TensorFlow; the gRPC stays in this process, never in the agent.
 from __future__ import annotations
 
 import json
-import os
 import re
 import select
 import sys
@@ -28,7 +28,6 @@ from typing import Any
 
 from .capture_worker import _REASON_WORDS, _is_empty, _probe, _write_new, failure_reason
 from .protos import profiler_pb2, xplane_pb2
-from .workers import die_with_parent
 
 SERVICE = "/tensorflow.ProfilerService/"
 
@@ -214,17 +213,11 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         session.stop()
 
 
-def main() -> int:
-    die_with_parent()
-    request = json.loads(sys.stdin.readline())
+def serve(request: dict[str, Any]) -> int:
+    """Run a ring for the agent (the capture worker's ``main`` read its request line)."""
     try:
         result = run(request)
     except Exception as exc:  # report, don't crash: the agent records the reason
         result = {"status": "failed", "reason": "error", "detail": f"{type(exc).__name__}: {exc}"}
     say(result)
     return 0
-
-
-if __name__ == "__main__":
-    os.umask(0o027)
-    sys.exit(main())

@@ -28,6 +28,7 @@ from typing import Any
 
 log = logging.getLogger("tfprofd.workers")
 
+CAPTURE_WORKER = "tfprofd.daemon.capture_worker"  # captures and snapshot rings; one waits, started ahead
 PARENT_ENV = "TFPROFD_WORKER_PARENT"
 READY_ENV = "TFPROFD_WORKER_READY_FD"  # a pre-started worker writes one byte there once it is ready
 PR_SET_PDEATHSIG = 1
@@ -123,17 +124,56 @@ class WorkerPool:
         ``timeout`` from its start: time spent queued never shortens a worker's own time."""
         queued_at = time.monotonic()
         wait = timeout if queue_timeout is None else queue_timeout
-        while not self._slots.acquire(timeout=0.2):
-            if self._stopping.is_set():
-                return Outcome("stopped", None, "the agent stopped", time.monotonic() - queued_at)
-            if time.monotonic() - queued_at > wait:
-                return Outcome("queued", None, f"no free {self.name} worker within {wait:.0f}s",
-                               time.monotonic() - queued_at)
+        refused = self._acquire(wait)
+        if refused is not None:
+            return replace(refused, queued_s=time.monotonic() - queued_at)
         queued_s = time.monotonic() - queued_at
         try:
             return replace(self._run(module, args, stdin, time.monotonic() + timeout), queued_s=queued_s)
         finally:
             self._slots.release()
+
+    def _acquire(self, wait: float) -> Outcome | None:
+        """Take one of the pool's places within ``wait`` seconds; None once taken, else why not."""
+        queued_at = time.monotonic()
+        while not self._slots.acquire(timeout=0.2):
+            if self._stopping.is_set():
+                return Outcome("stopped", None, "the agent stopped")
+            if time.monotonic() - queued_at > wait:
+                return Outcome("queued", None, f"no free {self.name} worker within {wait:.0f}s")
+        return None
+
+    def take(self, module: str, queue_timeout: float) -> tuple[subprocess.Popen, bool] | Outcome:
+        """A worker of ``module`` to talk to over its stdin and stdout for as long as the caller needs (the
+        pre-started one if it waits: no process start), and whether it was pre-started; it holds one of the
+        pool's places until ``put_back``. An Outcome says why there is none (stopped, queued, error)."""
+        refused = self._acquire(queue_timeout)
+        if refused is not None:
+            return refused
+        if self._stopping.is_set():
+            self._slots.release()
+            return Outcome("stopped", None, "the agent stopped")
+        proc = self._take_spare() if module == self.prestart else None
+        prestarted = proc is not None
+        if proc is None:
+            try:
+                proc = _spawn(module, [])
+            except OSError as exc:
+                self._slots.release()
+                return Outcome("error", None, f"cannot start a {self.name} worker: {exc}")
+        with self._lock:
+            self._running.add(proc)
+            self._used["prestarted" if prestarted else "cold"] += 1
+        return proc, prestarted
+
+    def put_back(self, proc: subprocess.Popen) -> None:
+        """End a worker from ``take`` (killed if it still runs) and free its place."""
+        if proc.poll() is None:
+            _kill_group(proc)
+        proc.wait()
+        with self._lock:
+            self._running.discard(proc)
+        self._slots.release()
 
     def _run(self, module: str, args: list[str], stdin: str, deadline: float) -> Outcome:
         if self._stopping.is_set():

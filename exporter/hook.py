@@ -42,6 +42,8 @@ DEFAULT_UDP_ADDR = "127.0.0.1:9847"
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PHASES = ("train", "evaluate", "predict", "idle")
 FOLD_AT = 65536  # steps queued at most before the training thread counts them itself
+OUTLIER_FACTOR = 10.0  # a step this many times longer than the mean of the last interval's is reported at once
+OUTLIER_EVERY = 1.0  # seconds: at most one such early report a second
 
 _profiler_address: str | None = None
 _profiler_lock = threading.Lock()
@@ -190,6 +192,12 @@ class Reporter:
         self._reported_samples = self._reported_skipped = 0
         self._sock, self._dest = _open_target(self.target)
         self._stop = threading.Event()
+        self._early = threading.Event()  # set by the training thread when a step took far longer than the last ones
+        # A step longer than this (seconds) is an outlier (inf: none is looked for); what it was when one was seen.
+        self._outlier_above = self._outlier_seen = float("inf")
+        self._early_next = 0.0  # no early report before this (perf_counter)
+        self._fold_n = 0  # steps' time taken in by the folds since the last report of the reporter thread
+        self._fold_s = 0.0
         self._thread: threading.Thread | None = None
         self._send_lock = threading.Lock()
         self._trace: Any = None  # the step marker of the step running, while a profiling session records
@@ -212,6 +220,7 @@ class Reporter:
                 print(f"tfprofd hook: profiler server not started: {exc}", file=sys.stderr)
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
+            self._early.clear()
             if self._thread is None:
                 atexit.register(self.close)
             self._thread = threading.Thread(target=self._run, name="tfprofd-hook", daemon=True)
@@ -222,15 +231,55 @@ class Reporter:
         """The job stopped training: send a final report (phase idle) and stop the background thread."""
         self.phase = "idle"
         self._stop.set()
+        self._early.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
         self.flush()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        """A report every ``interval``; between them, an early one when a step was an outlier (``_outlier``)."""
+        due = perf_counter() + self.interval
+        follow_up = False  # after an outlier, the next report comes half an interval later, flagged
+        while True:
+            early = self._early.wait(max(0.0, due - perf_counter()))
+            if self._stop.is_set():
+                return
+            if early:
+                self._early.clear()
+                self._report_outlier()
+                due, follow_up = min(due, perf_counter() + self.interval / 2), True
+                continue
+            due = max(due + self.interval, perf_counter())
             self._fold()
             self._idle_check()
-            self.flush()
+            self.flush(outlier=follow_up)
+            follow_up = False
+            self._arm_outlier()
+
+    def _outlier(self) -> None:
+        """On the training thread, once a step took over ``_outlier_above``: wake the reporter thread (it reports
+        the steps before this one at once)."""
+        self._outlier_seen, self._outlier_above = self._outlier_above, float("inf")
+        self._early.set()
+
+    def _arm_outlier(self) -> None:
+        """After a report: look for steps over OUTLIER_FACTOR times the mean of those it took in (at most one
+        early report per OUTLIER_EVERY)."""
+        with self._fold_lock:
+            n, total, self._fold_n, self._fold_s = self._fold_n, self._fold_s, 0, 0.0
+        if n and perf_counter() >= self._early_next:
+            self._outlier_above = OUTLIER_FACTOR * total / n
+
+    def _report_outlier(self) -> None:
+        """A report of the steps before the outlier, now; the next one (``_run``: half an interval later, flagged,
+        the agent samples on it at once) then holds only the outlier and the steps after it: a slowdown that
+        lasts shows undiluted by the fast steps before it, a lone slow step (a stall) diluted by the fast ones
+        after it (see README: Captures)."""
+        self._early_next = perf_counter() + OUTLIER_EVERY
+        with self._send_lock, self._fold_lock:
+            self._fold(below=self._outlier_seen)
+            self._send(fold=False)
+            self._fold_n, self._fold_s = 0, 0.0  # the next threshold comes from the steps after the outlier
 
     def _idle_check(self) -> None:
         """A custom loop that stopped stepping without close() is idle, not training at 0 samples/s."""
@@ -259,11 +308,18 @@ class Reporter:
         if len(done) >= FOLD_AT:  # nobody reads the counts (a reporter never started): keep the queue short
             self._fold()
 
-    def _fold(self) -> None:
-        """Count the steps queued since the last call."""
+    def _fold(self, below: float = float("inf")) -> None:
+        """Count the steps queued before this call; with ``below``, only those before the first one that took
+        longer (an outlier's early report)."""
         with self._fold_lock:
             done = self._done
-            while done:
+            if below != float("inf"):
+                before: deque[tuple[float, float, int, int]] = deque()
+                while done and done[0][1] <= below:
+                    before.append(done.popleft())
+                done = before
+            count, time_before = len(done), self.step_time_sum
+            for _ in range(count):
                 ended, seconds, steps, samples = done.popleft()
                 if self.first_step_seconds is None:
                     ended_at = time.time() - (perf_counter() - ended)
@@ -276,6 +332,8 @@ class Reporter:
                 index = bisect.bisect_left(STEP_BUCKETS, per_step)
                 if index < len(self.step_buckets):
                     self.step_buckets[index] += steps
+            self._fold_n += count  # for the next outlier threshold: the mean of the steps counted since
+            self._fold_s += self.step_time_sum - time_before
 
     def begin_step(self, steps: int = 1) -> None:
         """Mark the start of a step, or of ``steps`` steps run as one (Keras's steps_per_execution), with a
@@ -319,7 +377,10 @@ class Reporter:
 
     def _close_step(self, steps: int, samples: int, now: float) -> None:
         self.end_marker()
-        self._queue(now, now - self._step_started, steps, samples)
+        seconds = now - self._step_started
+        self._queue(now, seconds, steps, samples)
+        if seconds > self._outlier_above:  # the only per-step cost of early reports: one comparison
+            self._outlier()
 
     def step(self, batch_size: int | None = None) -> _Step:
         """Context manager around one training step of a custom loop: ``with reporter.step(batch_size=n):``."""
@@ -327,9 +388,10 @@ class Reporter:
 
     # ---- reporting ----
 
-    def report_counts(self) -> tuple[int, int, int]:
-        """(steps, samples, skipped steps) as the next report will say."""
-        self._fold()
+    def report_counts(self, fold: bool = True) -> tuple[int, int, int]:
+        """(steps, samples, skipped steps) as the next report will say (``fold``: with the steps queued)."""
+        if fold:
+            self._fold()
         if self.exact_counts is not None:
             try:
                 return self.exact_counts()
@@ -337,9 +399,9 @@ class Reporter:
                 pass
         return self.steps, self.samples, self.skipped
 
-    def report(self) -> dict[str, Any]:
+    def report(self, fold: bool = True, outlier: bool = False) -> dict[str, Any]:
         with self._fold_lock:
-            steps, samples, skipped = self.report_counts()
+            steps, samples, skipped = self.report_counts(fold)
             # Counters never go back (the agent would drop the report): a count read while a step runs can
             # be ahead of the steps the batch hooks saw.
             samples = self._reported_samples = max(samples, self._reported_samples)
@@ -355,17 +417,22 @@ class Reporter:
                 "steps": steps, "samples": samples, "skipped_steps": skipped, "batch_size": self.batch_size,
                 "step_seconds": {"count": self.steps, "sum": self.step_time_sum, "buckets": cumulative},
                 "first_step_seconds": self.first_step_seconds, "profiler": self.profiler_address,
+                **({"outlier": True} if outlier else {}),
             }
 
-    def flush(self) -> bool:
-        """Send one report now; never raises and never blocks on the agent."""
+    def flush(self, fold: bool = True, outlier: bool = False) -> bool:
+        """Send one report now; never raises and never blocks on the agent. ``outlier``: it ends with a step far
+        longer than the ones before (the agent samples at once)."""
         with self._send_lock:
-            try:
-                payload = json.dumps(self.report(), separators=(",", ":")).encode()
-                self._sock.sendto(payload, self._dest)
-            except (OSError, ValueError):
-                return False
-            return True
+            return self._send(fold, outlier)
+
+    def _send(self, fold: bool = True, outlier: bool = False) -> bool:
+        try:
+            payload = json.dumps(self.report(fold, outlier), separators=(",", ":")).encode()
+            self._sock.sendto(payload, self._dest)
+        except (OSError, ValueError):
+            return False
+        return True
 
 
 class _Step:

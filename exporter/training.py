@@ -52,6 +52,7 @@ _MAX_COUNT = 2**53
 MAX_BRACKETS = 16  # the schema nests 3 deep; more brackets than this is not a report
 MAX_PROCESSES_PER_JOB = 64
 RATE_STALE_SECONDS = 5.0  # a process silent this long no longer counts as training or has a rate
+OUTLIER_WAKE_EVERY = 0.4  # s: a process's flagged reports ask for a sample at most this often (the hook: 2 a second)
 FOLDED_KEPT = 64  # processes per job whose counters were folded in, remembered to undo a fold
 NEW_JOB_LOGS_PER_MINUTE = 20
 REFUSED_LOGS_PER_MINUTE = 20
@@ -83,6 +84,7 @@ class Report:
     step_buckets: tuple[int, ...]
     first_step_seconds: float | None
     profiler: str | None
+    outlier: bool = False  # it ends with a step far longer than the ones before, or follows such a report: sample now
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,7 @@ def parse_report(payload: bytes, max_bytes: int) -> Report:
         batch_size=_int(data, "batch_size", optional=True), step_count=step_count,
         step_sum=_float(step, "sum"), step_buckets=tuple(buckets),
         first_step_seconds=_float(data, "first_step_seconds", optional=True), profiler=profiler,
+        outlier=data.get("outlier") is True,
     )
 
 
@@ -426,6 +429,7 @@ class ProcessState:
     samples_per_second: float | None = None
     recent_step_seconds: float | None = None
     recent_batch: float | None = None  # samples per step between the last two reports
+    woken_at: float = float("-inf")  # monotonic: when an outlier report of it last asked for a sample
 
 
 @dataclass
@@ -736,6 +740,9 @@ class TrainingCollector(Collector):
                 process.recent_batch = (report.samples - previous.samples) / (report.steps - previous.steps)
             process.latest = report
             process.last_seen = now
+            if report.outlier and steps > 0 and now - process.woken_at >= OUTLIER_WAKE_EVERY:
+                process.woken_at = now
+                self.wake()  # the rules see the step time jump now, not at the next interval
         job.last_seen = now
         job.dirty = True
 

@@ -148,3 +148,88 @@ def test_steps_nobody_reports_are_still_counted_in_bounded_memory():
     assert peak < 20e6  # a queue of every step would hold over 50 MB
     assert reporter.report_counts() == (400_000, 1_600_000, 0)
     assert reporter.report()["step_seconds"]["count"] == 400_000
+
+
+class Listener:
+    """A UDP socket that collects the hook's reports."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.05)
+        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.reports: list[dict] = []
+
+    def read(self) -> list[dict]:
+        while True:
+            try:
+                self.reports.append(json.loads(self.sock.recv(65536)))
+            except TimeoutError:
+                return self.reports
+
+    def first(self, test) -> dict | None:
+        return next((r for r in self.read() if test(r)), None)
+
+
+def test_a_step_far_longer_than_the_last_ones_is_reported_early_in_a_report_of_its_own():
+    listener = Listener()
+    reporter = Reporter(job="jump", profiler=False, addr=listener.addr, interval=0.2).start()
+    try:
+        for _ in range(200):
+            with reporter.step(batch_size=8):
+                pass
+        seen = wait_for(lambda: listener.first(lambda r: r["step_seconds"]["count"] == 200), 20,
+                        message="the fast steps reported")
+        wait_for(lambda: listener.first(lambda r: r["seq"] > seen["seq"] + 1), 20, message="two reports more")
+        with reporter.step(batch_size=8):
+            time.sleep(0.05)  # the step the input pipeline stalls
+        outlier = wait_for(lambda: listener.first(lambda r: r.get("outlier")), 20, message="a flagged report")
+        with reporter.step(batch_size=8):
+            time.sleep(0.05)  # another at once: at most one early report a second
+        wait_for(lambda: listener.first(lambda r: r["step_seconds"]["count"] == 202 and r["seq"] >= outlier["seq"] + 3),
+                 20, message="the last step and two reports more")
+    finally:
+        reporter.close()
+    before = next(r for r in listener.reports if r["seq"] == outlier["seq"] - 1)
+    # The report just before, sent as the slow step ended, holds the fast steps only; the flagged one (the agent
+    # samples on it at once) holds the slow step and what came after it (nothing here), undiluted by the fast
+    # steps of the same second.
+    assert before["step_seconds"]["count"] == 200 and outlier["step_seconds"]["count"] == 201
+    assert outlier["step_seconds"]["sum"] - before["step_seconds"]["sum"] >= 0.05
+    # The second slow step, within the second, brings no early report of its own.
+    assert [r["seq"] for r in listener.reports if r.get("outlier")] == [outlier["seq"]]
+    assert parse_report(encode(outlier), 8192).outlier
+
+
+SLOW_STEP_RULES = """
+rules:
+  - name: slow_step
+    description: a step over 40 ms
+    signal: step_seconds
+    above: 0.04
+    cooldown: 0s
+    capture: false
+"""
+
+
+def test_an_outlier_step_is_seen_by_the_rules_before_the_next_interval(agents, tmp_path):
+    config = tmp_path / "rules.yaml"
+    config.write_text(SLOW_STEP_RULES)
+    agent = agents(args=["--config", str(config), "--interval", "120"])  # no scheduled sample during the test
+    reporter = Reporter(job="jump", profiler=False, addr=f"127.0.0.1:{agent.hook_port}", interval=0.2).start()
+    try:
+        with reporter.step(batch_size=8):
+            pass
+        wait_for(lambda: metric_value(agent.scrape(), "tfprofd_training_steps_total", training_job="jump") == 1, 20,
+                 message="the job known (its first report asks for a sample)")
+        for _ in range(200):
+            with reporter.step(batch_size=8):
+                pass
+        sent = reporter._seq
+        wait_for(lambda: reporter._seq >= sent + 2, 20, message="the fast steps reported")
+        with reporter.step(batch_size=8):
+            time.sleep(0.06)
+        wait_for(lambda: "rule slow_step firing" in agent.log(), 60,
+                 message="the rule to see the slow step (the next scheduled sample is 120 s away)")
+    finally:
+        reporter.close()

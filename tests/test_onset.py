@@ -240,6 +240,31 @@ def test_a_ring_worker_keeps_only_the_newest_snapshots(tmp_path):
     assert record.status == "done" and len(record.files) == 2 and "older ones dropped" in record.detail
 
 
+def test_a_ring_is_armed_in_the_capture_worker_started_ahead_and_a_new_one_waits(tmp_path):
+    handler = FakeProfiler(True)
+    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    captures = service(tmp_path, f"127.0.0.1:{port}")
+    captures.start_workers()
+    try:
+        wait_for(lambda: captures.capture_workers.state().ready, 60, message="a capture worker started ahead")
+        first = captures.capture_workers.state().pid
+        on_transition(transition(PENDING), captures, True, 1.0, None)
+        wait_for(lambda: handler.count("StartContinuousProfiling") == 1, 30, message="the ring armed")
+        wait_for(lambda: captures.capture_workers.state().ready, 60, message="a new worker started ahead")
+        on_transition(transition(FIRING), captures, True, 1.0, None)
+        record = ended(captures, captures.list()[0].id)
+        used = next(f for f in captures.collect() if f.name == "tfprofd_capture_workers_used")
+        used = {s.labels["start"]: s.value for s in used.samples if s.name.endswith("_total")}
+    finally:
+        captures.stop()
+        server.stop(0)
+    assert record.status == "done" and record.context["mode"] == "snapshots" and record.files
+    assert used == {"prestarted": 1, "cold": 0}  # arming was an RPC, not a process start
+    assert captures.capture_workers.state().pid != first
+
+
 def test_the_engine_says_when_a_pending_rule_clears_without_firing():
     engine = Engine([RULE], {"samples_per_second": ("training", ("training_job",))})
     signals = {"samples_per_second": [({"training_job": "a"}, 0.5)]}
