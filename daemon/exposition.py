@@ -16,14 +16,13 @@ import gzip
 import re
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from prometheus_client import exposition as text_format
 from prometheus_client.core import Metric
 from prometheus_client.openmetrics import exposition as openmetrics
-from prometheus_client.utils import floatToGoString
 
-from tfprofd.exporter.base import Sectioned
+from tfprofd.exporter.base import Sectioned, go_float, label_value
 
 TEXT, OPENMETRICS = "text", "openmetrics"
 _LIBRARY = {TEXT: text_format.generate_latest, OPENMETRICS: openmetrics.generate_latest}
@@ -33,7 +32,8 @@ GZIP_LEVEL = 1  # a scrape is latency-bound: level 1 is several times faster tha
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _FAST_TYPES = frozenset({"gauge", "counter", "histogram"})
 # one collector's sections: key -> (token, sample lines per family, label sets written)
-SectionCache = dict[Hashable, tuple[object, list[str], dict[tuple, str]]]
+SectionCache = dict[Hashable, tuple[object, Sequence[str], dict[tuple, str]]]
+_NONE_WRITTEN: dict[tuple, str] = {}  # hand-written sections (Sectioned.lines) keep no label cache
 
 
 class _Families:
@@ -52,12 +52,6 @@ def render_library(families: Iterable[Metric], fmt: str) -> bytes:
     return body[:-len(_EOF)] if fmt == OPENMETRICS and body.endswith(_EOF) else body
 
 
-def _escape(value: str) -> str:
-    if "\\" in value or "\n" in value or '"' in value:
-        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-    return value
-
-
 class _Unusual(Exception):
     """A sample render_fast does not write (timestamp, exemplar, native histogram, OpenMetrics-only suffix)."""
 
@@ -72,7 +66,7 @@ def _header(family: Metric, fmt: str) -> str:
         shown = name + "_total" if family.type == "counter" else name
         doc = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
     else:
-        shown, doc = name, _escape(family.documentation)
+        shown, doc = name, label_value(family.documentation)
     return f"# HELP {shown} {doc}\n# TYPE {shown} {family.type}\n"
 
 
@@ -90,15 +84,15 @@ def _render_samples(family: Metric, out: list[str], written: dict[tuple, str] | 
             raise _Unusual
         if s.labels:
             if written is None:
-                labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
+                labels = ",".join(f'{k}="{label_value(v)}"' for k, v in sorted(s.labels.items()))
             else:
                 key = tuple(s.labels.items())
                 labels = written.get(key)
                 if labels is None:
-                    labels = written[key] = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
-            lines.append(f"{s.name}{{{labels}}} {floatToGoString(s.value)}\n")
+                    labels = written[key] = ",".join(f'{k}="{label_value(v)}"' for k, v in sorted(s.labels.items()))
+            lines.append(f"{s.name}{{{labels}}} {go_float(s.value)}\n")
         else:
-            lines.append(f"{s.name} {floatToGoString(s.value)}\n")
+            lines.append(f"{s.name} {go_float(s.value)}\n")
     out.extend(lines)
 
 
@@ -140,13 +134,16 @@ def _render_sectioned(families: Sectioned, fmt: str, cache: SectionCache, out: l
     for key, token in families.sections:
         entry = cache.get(key)
         if entry is None or entry[0] is not token:
-            written = {} if entry is None or len(entry[2]) > 1024 else entry[2]  # bounded if labels churn
-            lines = []
-            for family in families.build([token]):
-                part: list[str] = []
-                _render_samples(family, part, written)
-                lines.append("".join(part))
-            entry = (token, lines, written)
+            if families.lines is not None:
+                entry = (token, families.lines(token), _NONE_WRITTEN)
+            else:
+                written = {} if entry is None or len(entry[2]) > 1024 else entry[2]  # bounded if labels churn
+                lines = []
+                for family in families.build([token]):
+                    part: list[str] = []
+                    _render_samples(family, part, written)
+                    lines.append("".join(part))
+                entry = (token, lines, written)
         fresh[key] = entry
         chunks.append(entry[1])
     cache.clear()
