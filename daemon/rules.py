@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import statistics
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -189,11 +188,24 @@ def parse_rules(loader: yaml.SafeLoader, node: yaml.Node, path: str, catalog: Ca
 # ---- evaluation ----
 
 
+def mean(values: list[float]) -> float:
+    """statistics.fmean, which is this: the agent evaluates rules every sample, and importing ``statistics``
+    (with fractions and decimal) would cost it 0.5 MB of resident memory for two one-line functions."""
+    return math.fsum(values) / len(values)
+
+
+def median(values: list[float]) -> float:
+    """statistics.median (see ``mean``)."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def aggregate(values: list[float], how: str) -> float:
     if how == "last":
         return values[-1]
     if how == "mean":
-        return statistics.fmean(values)
+        return mean(values)
     if how == "min":
         return min(values)
     if how == "max":
@@ -219,10 +231,10 @@ def holds(condition: Condition, history: deque[tuple[float, float]], now: float)
     base = [v for t, v in history if start - condition.baseline <= t < start]
     if len(base) < 3:  # no baseline yet: never fire on a job's first minutes
         return False, value
-    median = statistics.median(base)
+    middle = median(base)
     if condition.below_baseline is not None:
-        return value < condition.below_baseline * median, value
-    return value > (condition.above_baseline or 0.0) * median, value
+        return value < condition.below_baseline * middle, value
+    return value > (condition.above_baseline or 0.0) * middle, value
 
 
 PENDING, FIRING, RESOLVED = "pending", "firing", "resolved"
