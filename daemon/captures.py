@@ -21,8 +21,7 @@ from prometheus_client.core import Metric
 
 from tfprofd.exporter.base import Clock, counter, gauge
 
-from . import analysis  # stdlib only: xprof loads in the worker alone; the comparison on first use
-from .analysis import CaptureAnalysis
+from .analysis import CaptureAnalysis, compare, with_comparison  # stdlib only: xprof loads in the worker alone
 from .config import CaptureSettings
 from .errors import AmbiguousJob, DomainError, StorageError
 from .hostcontext import HostContext, HostLoad, HostMonitor, apply
@@ -262,10 +261,10 @@ class CaptureService:
             return
         base = self.baseline_of(record)
         if base is not None and base.analysis is not None:
-            comparison = analysis.compare(base.analysis, result, _context(base, record, "samples_per_second"),
+            comparison = compare(base.analysis, result, _context(base, record, "samples_per_second"),
                                  _context(base, record, "batch_size"))
             if comparison is not None:
-                result = analysis.with_comparison(result, replace(comparison, baseline_id=base.id))
+                result = with_comparison(result, replace(comparison, baseline_id=base.id))
         result, cause = apply(result, record.host, record.rule)  # the trace's verdict joined with the host's
         if cause is not None and record.rule and self.policy.forgive(
                 record.rule, frozenset(t["address"] for t in record.targets)):

@@ -9,28 +9,13 @@ Modules, in the order data flows through them:
 - ``capture``: every worker of a capture, the straggler; ``compare``: what changed from the baseline.
 - ``report``: the readable report; ``cli``: ``tfprofd analyze`` (``python -m tfprofd.daemon.analysis``).
 
-Importing the package loads the model only (stdlib); the comparison and the report load on first use
-(the agent compares after a capture; ~0.6 MB of its resident memory otherwise): xprof loads in the analysis
+Importing the package loads the model, comparison and report only (stdlib): xprof loads in the analysis
 worker alone.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
+from .compare import compare, with_comparison
 from .model import PART_TYPES, PART_WORDS, CaptureAnalysis, Comparison, WorkerAnalysis
-
-_LAZY = {"compare": "compare", "with_comparison": "compare", "report": "report"}
+from .report import report
 
 __all__ = ["PART_TYPES", "PART_WORDS", "CaptureAnalysis", "Comparison", "WorkerAnalysis", "compare", "report",
            "with_comparison"]
-
-
-def __getattr__(name: str) -> Any:
-    """``compare``, ``with_comparison`` and ``report``, imported on first use (PEP 562)."""
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
