@@ -259,8 +259,11 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
 
 
 def release_startup_memory() -> None:
-    """Give the memory that start-up (imports, config parsing) freed back to the system."""
+    """Give the memory that start-up (imports, config parsing) freed back to the system, and leave start-up's
+    objects out of later garbage collections: modules, classes and functions are most of the heap and never
+    garbage; with 1,000 jobs reporting, each full collection traversed them all (~0.1 s, issue 24)."""
     gc.collect()
+    gc.freeze()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
