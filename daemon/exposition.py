@@ -28,6 +28,7 @@ TEXT, OPENMETRICS = "text", "openmetrics"
 _LIBRARY = {TEXT: text_format.generate_latest, OPENMETRICS: openmetrics.generate_latest}
 _EOF = b"# EOF\n"
 DEMAND_SECONDS = 600.0
+MAX_LABEL_SETS = 16384  # label strings a part keeps for its next rendering
 GZIP_LEVEL = 1  # a scrape is latency-bound: level 1 is several times faster than 9 for a few % more bytes
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _FAST_TYPES = frozenset({"gauge", "counter", "histogram"})
@@ -70,11 +71,6 @@ def _header(family: Metric, fmt: str) -> str:
     return f"# HELP {shown} {doc}\n# TYPE {shown} {family.type}\n"
 
 
-def _render_family(family: Metric, fmt: str, out: list[str]) -> None:
-    out.append(_header(family, fmt))
-    _render_samples(family, out)
-
-
 def _render_samples(family: Metric, out: list[str], written: dict[tuple, str] | None = None) -> None:
     """The family's sample lines; ``written`` remembers label sets already written (a section's labels
     stay the same from one rendering to the next while its values change: half the cost of a line)."""
@@ -96,11 +92,14 @@ def _render_samples(family: Metric, out: list[str], written: dict[tuple, str] | 
     out.extend(lines)
 
 
-def render(families: Iterable[Metric], fmt: str, sections: SectionCache | None = None) -> bytes:
+def render(families: Iterable[Metric], fmt: str, sections: SectionCache | None = None,
+           labels: dict[tuple, str] | None = None) -> bytes:
     """Families in one format, as prometheus_client writes them (without OpenMetrics' ``# EOF``).
 
     ``Sectioned`` families are rendered section by section: with a ``sections`` cache (one per collector),
-    only the sections whose token changed since the last rendering."""
+    only the sections whose token changed since the last rendering. Other families' label sets are written
+    once into ``labels`` (one per part) and reused: the agent's own part holds a ``rule_active`` series per
+    rule and job, 3,000 with 1,000 jobs, whose labels stay while their values change."""
     out: list[str] = []
     if isinstance(families, Sectioned):
         try:
@@ -108,13 +107,18 @@ def render(families: Iterable[Metric], fmt: str, sections: SectionCache | None =
             return "".join(out).encode()
         except _Unusual:
             out = []
+    if labels is not None and len(labels) > MAX_LABEL_SETS:
+        labels.clear()  # bounded where label sets churn
     for family in families:
+        part: list[str] = []
         try:
             if not _fast(family):
                 raise _Unusual
-            _render_family(family, fmt, out)
+            part.append(_header(family, fmt))
+            _render_samples(family, part, labels)
         except _Unusual:
-            out.append(render_library([family], fmt).decode())
+            part = [render_library([family], fmt).decode()]
+        out.extend(part)
     return "".join(out).encode()
 
 
@@ -128,7 +132,8 @@ def _render_sectioned(families: Sectioned, fmt: str, cache: SectionCache, out: l
     for family in families.head:
         if not _fast(family):
             raise _Unusual
-        _render_family(family, fmt, out)
+        out.append(_header(family, fmt))
+        _render_samples(family, out)
     chunks = []
     fresh = {}
     for key, token in families.sections:
@@ -183,6 +188,7 @@ class Exposition:
         self.clock = clock
         self._parts: dict[tuple[str, str], Part] = {}  # (collector, format) -> part
         self._sections: dict[str, SectionCache] = {}  # collector -> its rendered sections (render())
+        self._labels: dict[str, dict[tuple, str]] = {}  # collector -> its label sets as written (render())
         self._scrapes: dict[str, tuple[float, float | None]] = {}  # format -> (last scrape, period)
         self._lock = threading.Lock()
 
@@ -205,20 +211,24 @@ class Exposition:
             if not self._due(fmt, now, interval):
                 self._parts.pop((name, fmt), None)
             elif part is None or now - part.made >= min_gap:
-                self._parts[(name, fmt)] = Part(render(collect(), fmt, self._sections.setdefault(name, {})), now)
+                self._parts[(name, fmt)] = Part(self._render(name, collect, fmt), now)
 
     def part(self, name: str, fmt: str, collect: Callable[[], Iterable[Metric]], max_age: float) -> bytes:
         """The collector's rendering in ``fmt``, at most ``max_age`` old (rendered now if there is none)."""
         now = self.clock()
         part = self._parts.get((name, fmt))
         if part is None or now - part.made > max_age:
-            part = self._parts[(name, fmt)] = Part(render(collect(), fmt, self._sections.setdefault(name, {})), now)
+            part = self._parts[(name, fmt)] = Part(self._render(name, collect, fmt), now)
         return part.bytes
+
+    def _render(self, name: str, collect: Callable[[], Iterable[Metric]], fmt: str) -> bytes:
+        return render(collect(), fmt, self._sections.setdefault(name, {}), self._labels.setdefault(name, {}))
 
     def forget(self, name: str) -> None:
         for key in [k for k in self._parts if k[0] == name]:
             self._parts.pop(key, None)
         self._sections.pop(name, None)
+        self._labels.pop(name, None)
 
     def _asked(self, fmt: str) -> None:
         now = self.clock()

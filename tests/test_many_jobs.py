@@ -80,10 +80,13 @@ def test_hand_written_training_lines_are_byte_identical_to_prometheus_client(hos
     rows = [_row(rng, hostile) for _ in range(300)]
     assert any(len(r.key[0]) == 1000 for r in rows) or not hostile
     caches: dict = {TEXT: {}, OPENMETRICS: {}}
+    labels: dict = {}  # label sets as written, kept across renderings of plain families (the agent's own part)
     for _ in range(6):
         families = _sectioned(rows)
         for fmt in (TEXT, OPENMETRICS):
             assert render(families, fmt, caches[fmt]) == render_library(list(families), fmt), fmt
+            plain = list(_job_families(rows))  # the same series as plain families, as rule_active comes
+            assert render(plain, fmt, None, labels) == render_library(plain, fmt), fmt
         keep = [r for r in rows if rng.random() < 0.7]  # the rest expire; some of the kept change, new ones come
         rows = [_row(rng, hostile) if rng.random() < 0.3 else r for r in keep] + [_row(rng, hostile) for _ in range(60)]
 
