@@ -313,12 +313,17 @@ class Engine:
     _firings: dict[str, int] = field(default_factory=dict)
     _firing_jobs: dict[str, int] = field(default_factory=dict)  # training_job -> its active states
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # bumped whenever a state comes, goes or changes activity, or the rules change: collect() builds its
+    # rule_active family (a series per rule and job: 3,000 with 1,000 jobs) again only then
+    _version: int = 0
+    _collected: tuple[int, list[Metric]] | None = None
 
     def set_rules(self, rules: list[Rule]) -> list[Transition]:
         """Replace the rules; firing series of rules that are gone or changed resolve."""
         with self._lock:
             old = {r.name: r for r in self.rules}
             self.rules = list(rules)
+            self._version += 1
             kept = {r.name for r in rules if old.get(r.name) == r}
             out = [Transition(RESOLVED, old[name], dict(labels), s.value, "rule removed or changed")
                    for (name, labels), s in self._states.items() if name not in kept and s.active]
@@ -326,6 +331,7 @@ class Engine:
                 if name not in kept:
                     self._set_active(labels, s, False)
                     del self._states[(name, labels)]
+                    self._version += 1
             return out
 
     def _set_active(self, labels: Labels, state: _State, active: bool) -> None:
@@ -333,6 +339,7 @@ class Engine:
         if state.active == active:
             return
         state.active = active
+        self._version += 1
         job = dict(labels).get("training_job")
         if job is not None:
             count = self._firing_jobs.get(job, 0) + (1 if active else -1)
@@ -396,7 +403,10 @@ class Engine:
                     ok = ok and any(holds(extra, h, now)[0] for _, h in self._series(extra, labels))
                 if ok and rule.while_training:
                     ok = training(labels)
-                state = self._states.setdefault((rule.name, labels_key), _State())
+                state = self._states.get((rule.name, labels_key))
+                if state is None:
+                    state = self._states[(rule.name, labels_key)] = _State()
+                    self._version += 1
                 state.value = value
                 if not ok:
                     if state.active:
@@ -415,6 +425,7 @@ class Engine:
                     out.append(Transition(FIRING, rule, labels, value))
             for key in [k for k in self._states if k[0] == rule.name and k[1] not in live]:
                 state = self._states.pop(key)
+                self._version += 1
                 if state.active:
                     out.append(Transition(RESOLVED, rule, dict(key[1]), state.value, "series gone"))
                     self._set_active(key[1], state, False)
@@ -433,17 +444,25 @@ class Engine:
         with self._lock:
             return job in self._firing_jobs
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> list[Metric]:
+        """The rules' families; the same objects while no state came, went or changed (see ``_version``)."""
         with self._lock:
+            if self._collected is not None and self._collected[0] == self._version:
+                return self._collected[1]
+            version = self._version
             states = sorted((k, s.active) for k, s in self._states.items())
             firings = dict(self._firings)
             names = [r.name for r in self.rules]
-        yield gauge("rule_active", "Whether the rule is firing (1) or not (0) for the GPU, job or device.",
-                    ["rule", *STATE_LABELS],
-                    (([name, *(dict(labels).get(k, "") for k in STATE_LABELS)], float(active))
-                     for (name, labels), active in states))
-        yield counter("rule_firings", "Total times the rule started firing.", ["rule"],
-                      (([name], firings.get(name, 0)) for name in names))
+        families: list[Metric] = [
+            gauge("rule_active", "Whether the rule is firing (1) or not (0) for the GPU, job or device.",
+                  ["rule", *STATE_LABELS], (([name, *(dict(labels).get(k, "") for k in STATE_LABELS)], float(active))
+                                            for (name, labels), active in states)),
+            counter("rule_firings", "Total times the rule started firing.", ["rule"],
+                    (([name], firings.get(name, 0)) for name in names))]
+        with self._lock:
+            if self._version == version:
+                self._collected = (version, families)
+        return families
 
 
 def describe(labels: dict[str, str]) -> str:

@@ -154,3 +154,34 @@ def test_a_burst_of_udp_reports_shares_one_read_of_the_socket_table(tmp_path):
         for s in senders:
             s.close()
 
+
+
+def test_rule_series_are_built_again_exactly_when_a_rule_state_changes():
+    """The agent's own part holds a rule_active series per rule and job (3,000 with 1,000 jobs): built again
+    only when a state comes, goes, or changes; what a scrape reads follows every change."""
+    from tfprofd.daemon.rules import Condition, Engine, Rule
+    from tfprofd.exporter.registry import signal_catalog
+
+    engine = Engine([Rule("low", "", (Condition("gpu_utilization", below=0.5),), for_seconds=2)], signal_catalog())
+
+    def observe(t: float, **gpus: float) -> None:
+        engine.observe("nvml", t, {"gpu_utilization": [({"gpu": g}, v) for g, v in gpus.items()]}, lambda _: True)
+
+    def active() -> dict[str, float]:
+        families = engine.collect()
+        assert render(families, OPENMETRICS) == render_library(families, OPENMETRICS)
+        return {s.labels["gpu"]: s.value for s in families[0].samples}
+
+    observe(0, g0=0.9)
+    first = engine.collect()
+    observe(1, g0=0.8)
+    assert engine.collect() is first and active() == {"g0": 0.0}  # nothing changed: the same families
+    observe(2, g0=0.1, g1=0.9)
+    assert active() == {"g0": 0.0, "g1": 0.0}  # a new series
+    observe(4, g0=0.1, g1=0.9)
+    assert active() == {"g0": 1.0, "g1": 0.0}  # firing
+    assert [s.value for s in engine.collect()[1].samples] == [1.0]
+    observe(5, g1=0.9)
+    assert active() == {"g1": 0.0}  # g0 gone
+    engine.set_rules([])
+    assert active() == {}
