@@ -181,9 +181,11 @@ def measure(jobs: int) -> dict[str, float]:
             agent_cpu = (cpu_seconds(agent.pid) - a0) / CPU_SECONDS
             node_cpu = (cpu_seconds(node.pid) - n0) / CPU_SECONDS
             reports_per_second = (reports(agent_port) - reports0) / (time.monotonic() - started)
-            a0 = cpu_seconds(agent.pid)
+            a0, started = cpu_seconds(agent.pid), time.monotonic()
             durations, up_min = prometheus_durations(Path(tmp), agent_port, node_port)
-            agent_cpu_scraped = (cpu_seconds(agent.pid) - a0) / PROMETHEUS_SECONDS
+            # over the whole window: Prometheus's start and the waits for its scrapes make it longer than
+            # PROMETHEUS_SECONDS on a loaded host (dividing by that overstated the CPU)
+            agent_cpu_scraped = (cpu_seconds(agent.pid) - a0) / (time.monotonic() - started)
             new_a, new_n = latencies(agent_port, node_port, kept_alive=False)
             kept_a, kept_n = latencies(agent_port, node_port, kept_alive=True)
             agent_rss, node_rss = rss_bytes(agent.pid), rss_bytes(node.pid)

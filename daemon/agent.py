@@ -25,7 +25,6 @@ from tfprofd.exporter.registry import COLLECTORS, signal_catalog
 
 from . import __version__, logs
 from . import config as configmod
-from .analysis.onset import drop_time
 from .api import ControlApi, Token, alert_is_for_host
 from .baselines import Baselines
 from .captures import CaptureService
@@ -180,6 +179,8 @@ class Agent:
         job = t.labels.get("training_job")
         if not job:
             return None
+        from .analysis.onset import drop_time  # on a pending rule only: ~0.4 MB of resident memory otherwise
+
         at = drop_time(self.engine.history("step_seconds", {"training_job": job}))
         return None if at is None else at + self.env.clock.time() - self.env.clock.monotonic()
 
@@ -258,8 +259,11 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
 
 
 def release_startup_memory() -> None:
-    """Give the memory that start-up (imports, config parsing) freed back to the system."""
+    """Give the memory that start-up (imports, config parsing) freed back to the system, and leave start-up's
+    objects out of later garbage collections: modules, classes and functions are most of the heap and never
+    garbage; with 1,000 jobs reporting, each full collection traversed them all (~0.1 s, issue 24)."""
     gc.collect()
+    gc.freeze()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

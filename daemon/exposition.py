@@ -16,24 +16,25 @@ import gzip
 import re
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from prometheus_client import exposition as text_format
 from prometheus_client.core import Metric
 from prometheus_client.openmetrics import exposition as openmetrics
-from prometheus_client.utils import floatToGoString
 
-from tfprofd.exporter.base import Sectioned
+from tfprofd.exporter.base import Sectioned, go_float, label_value
 
 TEXT, OPENMETRICS = "text", "openmetrics"
 _LIBRARY = {TEXT: text_format.generate_latest, OPENMETRICS: openmetrics.generate_latest}
 _EOF = b"# EOF\n"
 DEMAND_SECONDS = 600.0
+MAX_LABEL_SETS = 16384  # label strings a part keeps for its next rendering
 GZIP_LEVEL = 1  # a scrape is latency-bound: level 1 is several times faster than 9 for a few % more bytes
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _FAST_TYPES = frozenset({"gauge", "counter", "histogram"})
 # one collector's sections: key -> (token, sample lines per family, label sets written)
-SectionCache = dict[Hashable, tuple[object, list[str], dict[tuple, str]]]
+SectionCache = dict[Hashable, tuple[object, Sequence[str], dict[tuple, str]]]
+_NONE_WRITTEN: dict[tuple, str] = {}  # hand-written sections (Sectioned.lines) keep no label cache
 
 
 class _Families:
@@ -52,12 +53,6 @@ def render_library(families: Iterable[Metric], fmt: str) -> bytes:
     return body[:-len(_EOF)] if fmt == OPENMETRICS and body.endswith(_EOF) else body
 
 
-def _escape(value: str) -> str:
-    if "\\" in value or "\n" in value or '"' in value:
-        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-    return value
-
-
 class _Unusual(Exception):
     """A sample render_fast does not write (timestamp, exemplar, native histogram, OpenMetrics-only suffix)."""
 
@@ -72,13 +67,8 @@ def _header(family: Metric, fmt: str) -> str:
         shown = name + "_total" if family.type == "counter" else name
         doc = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
     else:
-        shown, doc = name, _escape(family.documentation)
+        shown, doc = name, label_value(family.documentation)
     return f"# HELP {shown} {doc}\n# TYPE {shown} {family.type}\n"
-
-
-def _render_family(family: Metric, fmt: str, out: list[str]) -> None:
-    out.append(_header(family, fmt))
-    _render_samples(family, out)
 
 
 def _render_samples(family: Metric, out: list[str], written: dict[tuple, str] | None = None) -> None:
@@ -90,23 +80,26 @@ def _render_samples(family: Metric, out: list[str], written: dict[tuple, str] | 
             raise _Unusual
         if s.labels:
             if written is None:
-                labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
+                labels = ",".join(f'{k}="{label_value(v)}"' for k, v in sorted(s.labels.items()))
             else:
                 key = tuple(s.labels.items())
                 labels = written.get(key)
                 if labels is None:
-                    labels = written[key] = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
-            lines.append(f"{s.name}{{{labels}}} {floatToGoString(s.value)}\n")
+                    labels = written[key] = ",".join(f'{k}="{label_value(v)}"' for k, v in sorted(s.labels.items()))
+            lines.append(f"{s.name}{{{labels}}} {go_float(s.value)}\n")
         else:
-            lines.append(f"{s.name} {floatToGoString(s.value)}\n")
+            lines.append(f"{s.name} {go_float(s.value)}\n")
     out.extend(lines)
 
 
-def render(families: Iterable[Metric], fmt: str, sections: SectionCache | None = None) -> bytes:
+def render(families: Iterable[Metric], fmt: str, sections: SectionCache | None = None,
+           labels: dict[tuple, str] | None = None) -> bytes:
     """Families in one format, as prometheus_client writes them (without OpenMetrics' ``# EOF``).
 
     ``Sectioned`` families are rendered section by section: with a ``sections`` cache (one per collector),
-    only the sections whose token changed since the last rendering."""
+    only the sections whose token changed since the last rendering. Other families' label sets are written
+    once into ``labels`` (one per part) and reused: the agent's own part holds a ``rule_active`` series per
+    rule and job, 3,000 with 1,000 jobs, whose labels stay while their values change."""
     out: list[str] = []
     if isinstance(families, Sectioned):
         try:
@@ -114,13 +107,18 @@ def render(families: Iterable[Metric], fmt: str, sections: SectionCache | None =
             return "".join(out).encode()
         except _Unusual:
             out = []
+    if labels is not None and len(labels) > MAX_LABEL_SETS:
+        labels.clear()  # bounded where label sets churn
     for family in families:
+        part: list[str] = []
         try:
             if not _fast(family):
                 raise _Unusual
-            _render_family(family, fmt, out)
+            part.append(_header(family, fmt))
+            _render_samples(family, part, labels)
         except _Unusual:
-            out.append(render_library([family], fmt).decode())
+            part = [render_library([family], fmt).decode()]
+        out.extend(part)
     return "".join(out).encode()
 
 
@@ -134,19 +132,23 @@ def _render_sectioned(families: Sectioned, fmt: str, cache: SectionCache, out: l
     for family in families.head:
         if not _fast(family):
             raise _Unusual
-        _render_family(family, fmt, out)
+        out.append(_header(family, fmt))
+        _render_samples(family, out)
     chunks = []
     fresh = {}
     for key, token in families.sections:
         entry = cache.get(key)
         if entry is None or entry[0] is not token:
-            written = {} if entry is None or len(entry[2]) > 1024 else entry[2]  # bounded if labels churn
-            lines = []
-            for family in families.build([token]):
-                part: list[str] = []
-                _render_samples(family, part, written)
-                lines.append("".join(part))
-            entry = (token, lines, written)
+            if families.lines is not None:
+                entry = (token, families.lines(token), _NONE_WRITTEN)
+            else:
+                written = {} if entry is None or len(entry[2]) > 1024 else entry[2]  # bounded if labels churn
+                lines = []
+                for family in families.build([token]):
+                    part: list[str] = []
+                    _render_samples(family, part, written)
+                    lines.append("".join(part))
+                entry = (token, lines, written)
         fresh[key] = entry
         chunks.append(entry[1])
     cache.clear()
@@ -186,6 +188,7 @@ class Exposition:
         self.clock = clock
         self._parts: dict[tuple[str, str], Part] = {}  # (collector, format) -> part
         self._sections: dict[str, SectionCache] = {}  # collector -> its rendered sections (render())
+        self._labels: dict[str, dict[tuple, str]] = {}  # collector -> its label sets as written (render())
         self._scrapes: dict[str, tuple[float, float | None]] = {}  # format -> (last scrape, period)
         self._lock = threading.Lock()
 
@@ -208,20 +211,24 @@ class Exposition:
             if not self._due(fmt, now, interval):
                 self._parts.pop((name, fmt), None)
             elif part is None or now - part.made >= min_gap:
-                self._parts[(name, fmt)] = Part(render(collect(), fmt, self._sections.setdefault(name, {})), now)
+                self._parts[(name, fmt)] = Part(self._render(name, collect, fmt), now)
 
     def part(self, name: str, fmt: str, collect: Callable[[], Iterable[Metric]], max_age: float) -> bytes:
         """The collector's rendering in ``fmt``, at most ``max_age`` old (rendered now if there is none)."""
         now = self.clock()
         part = self._parts.get((name, fmt))
         if part is None or now - part.made > max_age:
-            part = self._parts[(name, fmt)] = Part(render(collect(), fmt, self._sections.setdefault(name, {})), now)
+            part = self._parts[(name, fmt)] = Part(self._render(name, collect, fmt), now)
         return part.bytes
+
+    def _render(self, name: str, collect: Callable[[], Iterable[Metric]], fmt: str) -> bytes:
+        return render(collect(), fmt, self._sections.setdefault(name, {}), self._labels.setdefault(name, {}))
 
     def forget(self, name: str) -> None:
         for key in [k for k in self._parts if k[0] == name]:
             self._parts.pop(key, None)
         self._sections.pop(name, None)
+        self._labels.pop(name, None)
 
     def _asked(self, fmt: str) -> None:
         now = self.clock()

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -586,12 +585,16 @@ class HostMonitor:
             samples = list(self._cpu)
         if not samples:
             return None
+        import statistics  # at a capture only (it loads fractions and decimal: 0.5 MB resident all the time)
+
         return HostLoad(round(samples[-1][0] - samples[0][0], 1), statistics.fmean(s[1] for s in samples),
                         statistics.fmean(s[2] for s in samples))
 
 
 def summarise(taken: list[tuple[float, str, Snapshot]]) -> list[SeriesSummary]:
     """Each sampled series over the window: mean, min, max."""
+    import statistics  # at a capture only, as in load_before
+
     values: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]] = {}
     for _, _, snapshot in taken:
         for signal, series in snapshot.signals.items():

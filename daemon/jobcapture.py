@@ -21,7 +21,6 @@ import json
 import logging
 import re
 import secrets
-import statistics
 import threading
 import time
 import urllib.error
@@ -214,6 +213,8 @@ def straggler_of(workers: list[WorkerResult]) -> Straggler | None:
         return None
     lead = max(timed, key=lambda w: w.step_ms or 0.0)
     others = [w for w in timed if w is not lead]
+    import statistics  # at a job-wide capture only (it loads fractions and decimal: 0.5 MB resident)
+
     median = statistics.median(w.step_ms or 0.0 for w in others)
     assert lead.step_ms is not None
     if lead.step_ms < STRAGGLER * median:

@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 PREFIX = "tfprofd_"
 
@@ -125,18 +126,43 @@ class Sectioned:
     Iterating gives the families whole, as any reader expects. The exposition instead renders each
     section by itself and keeps its rendering while the section's token is the same object, so a sample
     costs what changed, not everything that exists: ``build(tokens)`` makes the families of those
-    sections only (``build([])``: every family, without series, in order).
+    sections only (``build([])``: every family, without series, in order). ``lines(token)``, where given,
+    writes a section's sample lines by hand, one string per family of ``build([])`` (the same in the text
+    format and OpenMetrics); it must be byte-identical to prometheus_client's rendering of
+    ``build([token])`` (tests/test_many_jobs.py holds it so).
     """
 
     def __init__(self, head: Sequence[Metric], build: Callable[[Sequence[Any]], Iterable[Metric]],
-                 sections: Sequence[tuple[Hashable, object]]):
+                 sections: Sequence[tuple[Hashable, object]], lines: Callable[[Any], Sequence[str]] | None = None):
         self.head = head
         self.build = build
         self.sections = sections  # (key, token), in the order the series are written
+        self.lines = lines
 
     def __iter__(self) -> Iterator[Metric]:
         yield from self.head
         yield from self.build([token for _, token in self.sections])
+
+
+def label_value(value: str) -> str:
+    """A label value (or OpenMetrics HELP text) escaped as prometheus_client escapes it."""
+    if "\\" in value or "\n" in value or '"' in value:
+        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+    return value
+
+
+def go_float(value: float) -> str:
+    """A sample value as prometheus_client writes it (``floatToGoString``), without its cost for the small
+    integers and plain floats most samples are: Go's exponent form only from 1e6 up, and +Inf, -Inf, NaN."""
+    kind = type(value)
+    if kind is int:
+        if -10**15 < value < 10**6:  # type: ignore[operator]
+            return f"{value}.0"
+    elif kind is float:
+        text = repr(value)
+        if value - value == 0 and (value <= 0 or text.find(".") <= 6):  # finite, and not Go's exponent form
+            return text
+    return floatToGoString(value)
 
 
 def gauge(name: str, documentation: str, labels: Sequence[str],

@@ -24,11 +24,13 @@ import json
 import logging
 import os
 import re
+import select
 import selectors
 import socket
 import stat
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +39,7 @@ from typing import Any, ClassVar
 
 from prometheus_client.core import HistogramMetricFamily, Metric
 
-from .base import PREFIX, Collector, Environment, Sectioned, Signals, counter, gauge
+from .base import PREFIX, Collector, Environment, Sectioned, Signals, counter, gauge, go_float, label_value
 from .hook import PHASES, SCHEMA_VERSION, STEP_BUCKETS, default_socket_path
 from .options import option, parse_bool, parse_duration, parse_host, parse_int, parse_optional_address, parse_str
 
@@ -56,6 +58,9 @@ OUTLIER_WAKE_EVERY = 0.4  # s: a process's flagged reports ask for a sample at m
 FOLDED_KEPT = 64  # processes per job whose counters were folded in, remembered to undo a fold
 NEW_JOB_LOGS_PER_MINUTE = 20
 REFUSED_LOGS_PER_MINUTE = 20
+UDP_GATHER_SECONDS = 0.25  # a UDP report waits at most this long for others to share its socket-table read
+UDP_BATCH = 1024  # datagrams at most in one batch
+UDP_BATCH_BYTES = 1 << 20  # and bytes (a flood of 64 KiB datagrams holds no more than the socket's buffer)
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -239,6 +244,17 @@ def _hex_address(text: str) -> Address:
     return address.ipv4_mapped or address
 
 
+def _parse_socket_line(line: str) -> ProcSocket | None:
+    parts = line.split()
+    if len(parts) < 8:
+        return None
+    try:
+        host, _, port_text = parts[1].partition(":")
+        return ProcSocket(_hex_address(host), int(port_text, 16), int(parts[3], 16), int(parts[7]))
+    except ValueError:
+        return None
+
+
 def parse_proc_net(text: str, port: int | None = None) -> list[ProcSocket]:
     """The sockets of a /proc/net/{tcp,tcp6,udp,udp6} text (only those on ``port``, if given: a host may
     have thousands); lines that do not parse are skipped."""
@@ -247,17 +263,40 @@ def parse_proc_net(text: str, port: int | None = None) -> list[ProcSocket]:
     for line in text.splitlines()[1:]:
         if needle not in line:
             continue
-        parts = line.split()
-        if len(parts) < 8:
-            continue
-        try:
-            host, _, port_text = parts[1].partition(":")
-            found = ProcSocket(_hex_address(host), int(port_text, 16), int(parts[3], 16), int(parts[7]))
-        except ValueError:
-            continue
-        if port is None or found.port == port:
+        found = _parse_socket_line(line)
+        if found is not None and (port is None or found.port == port):
             sockets.append(found)
     return sockets
+
+
+class UdpTable:
+    """The agent's network namespace's UDP sockets (/proc/self/net/udp and udp6), read once, on first use,
+    and indexed by local port: a batch of datagrams drained from the socket shares one read. With a thousand
+    reporting sockets a read costs about 2 ms, so reading it for every report cost more than a core at
+    1,000 reports a second (issue 24). It is read after the batch was received, as a per-report read was
+    after its report."""
+
+    def __init__(self, own_proc: Path = OWN_PROC):
+        self._own_proc = own_proc
+        self._lines: dict[int, list[str]] | None = None
+
+    def on_port(self, port: int) -> list[ProcSocket]:
+        if self._lines is None:
+            self._lines = {}
+            for name in ("self/net/udp", "self/net/udp6"):
+                try:
+                    text = (self._own_proc / name).read_text()
+                except (OSError, UnicodeDecodeError):
+                    continue  # no IPv6 on this kernel
+                for line in text.splitlines()[1:]:
+                    local = line.split(None, 2)[1:2]
+                    try:
+                        key = int(local[0].rpartition(":")[2], 16) if local else -1
+                    except ValueError:
+                        continue
+                    self._lines.setdefault(key, []).append(line)
+        found = (_parse_socket_line(line) for line in self._lines.get(port, ()))
+        return [s for s in found if s is not None and s.port == port]
 
 
 def _reaches(bound: Address, target: Address) -> bool:
@@ -309,14 +348,15 @@ def _is_own_address(address: Address) -> bool:
     return True
 
 
-def identify_udp_sender(address: str, port: int, own_proc: Path = OWN_PROC) -> Sender:
+def identify_udp_sender(address: str, port: int, own_proc: Path = OWN_PROC, table: UdpTable | None = None) -> Sender:
     """Who sent a UDP datagram: a process of this host (its socket is in the agent's network namespace,
     which tells its uid) or a remote peer such as a pod (its address only). Raises Rejected
-    ("unverified_sender") for a loopback source whose socket is not found or has several owners."""
+    ("unverified_sender") for a loopback source whose socket is not found or has several owners. ``table``:
+    the sockets as a batch of datagrams read them (else read now)."""
     ip = _ip(address)
     if ip is None:
         raise Rejected("unverified_sender", f"source address {address!r} is not an IP address")
-    exact = _read_sockets(own_proc, port, "self/net/udp", "self/net/udp6")
+    exact = (table or UdpTable(own_proc)).on_port(port)
     uids = sender_uids(exact, ip, port)
     bound_here = any(s.address == ip for s in exact)
     if uids and (ip.is_loopback or bound_here or _is_own_address(ip)):
@@ -634,16 +674,47 @@ class TrainingCollector(Collector):
         while not self._stop.is_set():
             for key, _ in self._selector.select(timeout=0.2):
                 sock: socket.socket = key.fileobj  # type: ignore[assignment]
-                for _ in range(256):  # drain, but let the stop flag be seen under a flood
-                    try:
-                        payload, sender = self._recv(sock)
-                    except (BlockingIOError, InterruptedError):
-                        break
-                    except OSError:
-                        if self._stop.is_set():
-                            return
-                        break
-                    self.receive(payload, sender)
+                batch = self._drain(sock, 256)  # at most this many, so the stop flag is seen under a flood
+                if batch is None:
+                    return
+                if sock.family != socket.AF_UNIX and batch:
+                    batch = self._gather(sock, batch)
+                    if batch is None:
+                        return
+                table = UdpTable()  # read once for the batch, after it was received, if a UDP report needs it
+                for payload, sender in batch:
+                    self.receive(payload, sender, table)
+
+    def _drain(self, sock: socket.socket, limit: int) -> list[tuple[bytes, Sender]] | None:
+        """Up to ``limit`` datagrams waiting on the socket; None once the collector is closing."""
+        batch = []
+        for _ in range(limit):
+            try:
+                batch.append(self._recv(sock))
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                if self._stop.is_set():
+                    return None
+                break
+        return batch
+
+    def _gather(self, sock: socket.socket, batch: list[tuple[bytes, Sender]]) -> list[tuple[bytes, Sender]] | None:
+        """More UDP datagrams for ``UDP_GATHER_SECONDS`` after the first: 1,000 jobs report at their own
+        phases, so draining alone left batches of a few datagrams and a 2 ms read of the socket table for each
+        (13% of a core). Reports wait at most that long; the sampler reads them once an interval anyway."""
+        deadline = time.monotonic() + UDP_GATHER_SECONDS
+        size = sum(len(payload) for payload, _ in batch)
+        while len(batch) < UDP_BATCH and size < UDP_BATCH_BYTES and not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([sock], [], [], left)[0]:
+                break
+            more = self._drain(sock, UDP_BATCH - len(batch))
+            if more is None:
+                return None
+            batch += more
+            size += sum(len(payload) for payload, _ in more)
+        return batch
 
     def _recv(self, sock: socket.socket) -> tuple[bytes, Sender]:
         if sock.family == socket.AF_UNIX:
@@ -656,14 +727,15 @@ class TrainingCollector(Collector):
         payload, peer = sock.recvfrom(65536)
         return payload, Sender(local=False, address=peer[0], port=peer[1])
 
-    def receive(self, payload: bytes, sender: Sender) -> bool:
-        """Validate and apply one report; count and drop anything malformed, whatever goes wrong."""
+    def receive(self, payload: bytes, sender: Sender, table: UdpTable | None = None) -> bool:
+        """Validate and apply one report; count and drop anything malformed, whatever goes wrong. ``table``:
+        the UDP sockets as read for the batch this report came in (else read for this report)."""
         try:
             report = parse_report(payload, self.settings.max_datagram_bytes)
             if sender.local and report.pid != sender.pid:
                 raise Rejected("pid_mismatch", f"report says pid {report.pid}, the kernel says {sender.pid}")
             if not sender.local and sender.port is not None:
-                sender = identify_udp_sender(sender.address or "", sender.port)
+                sender = identify_udp_sender(sender.address or "", sender.port, table=table)
             with self._lock:
                 self._apply(report, sender)
                 self.accepted += 1
@@ -897,7 +969,7 @@ class TrainingCollector(Collector):
                         ["reason"], (((reason,), n) for reason, n in sampled.rejected)),
                 gauge("hook_jobs", "Number of (training_job, worker) series the agent tracks (at most "
                       "hook.max_jobs).", [], [((), len(sampled.rows))])]
-        return Sectioned(head, _job_families, [(r.key, r) for r in sampled.rows])
+        return Sectioned(head, _job_families, [(r.key, r) for r in sampled.rows], _job_lines)
 
 
 def _job_families(rows: Sequence[_Row]) -> Iterator[Metric]:
@@ -936,6 +1008,40 @@ def _job_families(rows: Sequence[_Row]) -> Iterator[Metric]:
         buckets.append(("+Inf", float(r.totals.step_count)))
         histogram.add_metric(list(r.key), buckets, r.totals.step_sum)
     yield histogram
+
+
+_P = PREFIX + "training_"
+_BUCKET_LE = tuple(f'{_P}step_duration_seconds_bucket{{le="{le!r}",' for le in STEP_BUCKETS)
+_INF_LE = f'{_P}step_duration_seconds_bucket{{le="+Inf",'
+
+
+def _job_lines(row: _Row) -> list[str]:
+    """One job's sample lines, family by family as ``_job_families`` makes them, written by hand: building
+    the job's prometheus_client families and rendering them cost ~70 µs a job, what kept the agent above
+    5% of a core with 1,000 jobs reporting every second (issue 24; ``bench/render_jobs.py`` measures both).
+    tests/test_many_jobs.py holds it byte-identical to prometheus_client's rendering, hostile labels included."""
+    labels = f'training_job="{label_value(row.key[0])}",worker="{label_value(row.key[1])}"}} '
+    totals = row.totals
+    phase = "" if row.phase is None else "".join(
+        f'{_P}phase{{phase="{p}",{labels}{"1.0" if p == row.phase else "0.0"}\n' for p in PHASES)
+    count = go_float(totals.step_count)
+    return [
+        f"{_P}up{{{labels}{'1.0' if row.up else '0.0'}\n",
+        f"{_P}processes{{{labels}{go_float(row.processes)}\n",
+        f"{_P}steps_total{{{labels}{go_float(totals.steps)}\n",
+        f"{_P}samples_total{{{labels}{go_float(totals.samples)}\n",
+        f"{_P}skipped_steps_total{{{labels}{go_float(totals.skipped)}\n",
+        "" if row.rate is None else f"{_P}samples_per_second{{{labels}{go_float(row.rate)}\n",
+        "" if row.batch_size is None else f"{_P}batch_size{{{labels}{go_float(row.batch_size)}\n",
+        "" if row.epoch is None else f"{_P}epoch{{{labels}{go_float(row.epoch)}\n",
+        phase,
+        "" if row.first_step_seconds is None else
+        f"{_P}first_step_seconds{{{labels}{go_float(row.first_step_seconds)}\n",
+        "".join(f'{_P}info{{profiler_address="{label_value(a)}",{labels}1.0\n' for a in row.profilers),
+        "".join(f"{le}{labels}{go_float(c)}\n" for le, c in zip(_BUCKET_LE, totals.buckets, strict=True))
+        + f"{_INF_LE}{labels}{count}\n{_P}step_duration_seconds_count{{{labels}{count}\n"
+        f"{_P}step_duration_seconds_sum{{{labels}{go_float(totals.step_sum)}\n",
+    ]
 
 
 def _phase(live: list[ProcessState]) -> str:

@@ -23,7 +23,8 @@ LAST_WORDS = {"scrape.py": "scrape and CPU against the number of reporting jobs"
               "hostile.py": "RSS ",
               "analysis_cost.py": " s capture: trace",
               "job_capture.py": "peers  -> instant  -> last asked  -> record",
-              "continuous_profiling.py": "stop_ms_median"}
+              "continuous_profiling.py": "stop_ms_median",
+              "render_jobs.py": "the collector's work for"}
 
 
 def test_every_bench_has_a_quick_check():

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from tfprofd.daemon import config
-from tfprofd.daemon.rules import FIRING, PENDING, RESOLVED, Condition, Engine, Rule, aggregate, holds
+from tfprofd.daemon.rules import FIRING, PENDING, RESOLVED, Condition, Engine, History, Rule, aggregate, holds
 from tfprofd.exporter.registry import signal_catalog
 
 
@@ -63,11 +63,12 @@ def test_aggregates(how, expected):
 
 def test_baseline_drop_needs_history_and_compares_to_the_median():
     condition = Condition("samples_per_second", aggregate="mean", window=10, below_baseline=0.7, baseline=60)
-    history = __import__("collections").deque((t, 100.0) for t in range(0, 60))
+    history = History((t, 100.0) for t in range(0, 60))
     assert holds(condition, history, 59) == (False, 100.0)
-    history.extend((t, 60.0) for t in range(60, 71))
+    for t in range(60, 71):
+        history.append(t, 60.0)
     assert holds(condition, history, 70) == (True, 60.0)
-    assert holds(condition, __import__("collections").deque([(0, 1.0)]), 0)[0] is False  # no baseline yet
+    assert holds(condition, History([(0, 1.0)]), 0)[0] is False  # no baseline yet
 
 
 class Scripted:

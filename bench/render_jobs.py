@@ -1,0 +1,123 @@
+"""In-process cost per job of the training collector with 1,000 jobs reporting every second (issue 24),
+each figure beside the way it was done before, alternating in one process:
+
+- rendering a job that reported: through prometheus_client's families (``Sectioned.build`` and the
+  exposition's sample writer, as before) against the hand-written lines (``Sectioned.lines``); the two
+  renderings are compared byte for byte every round;
+- identifying a UDP report's sender with 1,000 UDP sockets on the host: a read of /proc/net/udp per report
+  (as before) against one read per batch of 256 datagrams (the receive loop's drain);
+- receiving (validating) a report and freezing the jobs at a sample, for scale.
+
+``--quick``: 20 jobs, 2 rounds, no targets (CI).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import socket
+import statistics
+import sys
+import time
+
+from tfprofd.daemon.exposition import OPENMETRICS, render, render_library
+from tfprofd.exporter.base import Clock, Environment, Sectioned
+from tfprofd.exporter.hook import Reporter
+from tfprofd.exporter.training import HookSettings, Sender, TrainingCollector, UdpTable, identify_udp_sender
+
+QUICK = "--quick" in sys.argv
+JOBS = 20 if QUICK else 1000
+ROUNDS = 2 if QUICK else 9
+BATCH = 256
+
+
+class Ticking(Clock):
+    def __init__(self) -> None:
+        self.wall, self.mono = 1_800_000_000.0, 5_000.0
+
+    def time(self) -> float:
+        return self.wall
+
+    def monotonic(self) -> float:
+        return self.mono
+
+
+def main() -> None:
+    clock = Ticking()
+    collector = TrainingCollector(HookSettings(socket="", listen=None), Environment(clock=clock))
+    reporters = [Reporter(job=f"job{i:04d}", worker="0", profiler=False, addr="127.0.0.1:9") for i in range(JOBS)]
+    for r in reporters:
+        r.phase, r.batch_size = "train", 64
+    sockets = []
+    for _ in range(JOBS):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+    ports = [s.getsockname()[1] for s in sockets]
+    sender = Sender(local=False, address="127.0.0.1")
+    caches: dict[str, dict] = {"library": {}, "hand": {}}
+    gc.collect()
+    gc.freeze()  # as the agent does after its start
+    figures: dict[str, list[float]] = {k: [] for k in ("receive", "sample", "library", "hand", "per_report",
+                                                        "per_batch")}
+    try:
+        for round_ in range(ROUNDS + 1):
+            payloads = []
+            for r in reporters:
+                r.record(25, 25 * 64, 0.5)
+                data = r.report()
+                data["time"] = clock.wall
+                payloads.append(json.dumps(data).encode())
+            clock.mono += 1
+            clock.wall += 1
+            started = time.perf_counter()
+            for payload in payloads:
+                collector.receive(payload, sender)
+            received = time.perf_counter()
+            collector.sample()
+            sampled = time.perf_counter()
+            hand = collector.collect()
+            library = Sectioned(hand.head, hand.build, hand.sections)  # the same jobs, without the hand path
+            timings = {}
+            for name, families in sorted({"library": library, "hand": hand}.items(), reverse=round_ % 2 == 1):
+                t0 = time.perf_counter()
+                body = render(families, OPENMETRICS, caches[name])
+                timings[name] = time.perf_counter() - t0
+                assert body == render_library(list(hand), OPENMETRICS), f"{name} differs from prometheus_client"
+            t0 = time.perf_counter()
+            for port in ports[:BATCH]:
+                identify_udp_sender("127.0.0.1", port)
+            t1 = time.perf_counter()
+            for i in range(0, len(ports), BATCH):
+                table = UdpTable()
+                for port in ports[i:i + BATCH]:
+                    identify_udp_sender("127.0.0.1", port, table=table)
+            t2 = time.perf_counter()
+            if round_ == 0:
+                continue  # the first round meets new jobs and cold caches
+            figures["receive"].append((received - started) / JOBS)
+            figures["sample"].append((sampled - received) / JOBS)
+            figures["library"].append(timings["library"] / JOBS)
+            figures["hand"].append(timings["hand"] / JOBS)
+            figures["per_report"].append((t1 - t0) / min(BATCH, JOBS))
+            figures["per_batch"].append((t2 - t1) / JOBS)
+    finally:
+        collector.close()
+        for s in sockets:
+            s.close()
+    us = {k: statistics.median(v) * 1e6 for k, v in figures.items()}
+    print(f"{JOBS} jobs reporting every second, {ROUNDS} rounds, medians in µs per job (or per report):")
+    print(f"  render a job that reported: prometheus_client's families {us['library']:.1f} µs, "
+          f"hand-written lines {us['hand']:.1f} µs: {us['library'] / us['hand']:.1f}x (byte-identical)")
+    print(f"  identify a UDP sender ({JOBS} UDP sockets on the host): /proc/net/udp read per report "
+          f"{us['per_report']:.1f} µs, once per batch of {BATCH} {us['per_batch']:.1f} µs: "
+          f"{us['per_report'] / us['per_batch']:.1f}x")
+    print(f"  validate and apply a report {us['receive']:.1f} µs; freeze a job at a sample {us['sample']:.1f} µs")
+    per_second = (us["hand"] + us["per_batch"] + us["receive"] + us["sample"]) * JOBS / 1e6
+    print(f"  the collector's work for {JOBS} jobs a second: {per_second * 100:.2f}% of a core (was "
+          f"{(us['library'] + us['per_report'] + us['receive'] + us['sample']) * JOBS / 1e4:.2f}%: more than a core "
+          "is an agent that falls behind)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The agent's resident memory (issue 24, target ≤ 35 MiB with 20 jobs): what it uses only at a capture or on
+a bad config is imported there, not at start-up; what replaced ``statistics`` gives what it gave."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import subprocess
+import sys
+
+from tfprofd.daemon.rules import mean, median
+
+RARE = ("statistics", "fractions", "decimal", "difflib", "tfprofd.daemon.analysis.onset")
+
+
+def test_the_agent_starts_without_what_it_uses_only_at_a_capture():
+    code = ("import sys; import tfprofd.daemon.agent, tfprofd.daemon.cli; "
+            f"print(' '.join(m for m in {RARE!r} if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == []
+
+
+def test_rules_mean_and_median_are_statistics_own():
+    rng = random.Random(24)
+    for n in [1, 2, 3, 4, 5, 10, 11, *range(1, 200, 7)]:
+        for values in ([rng.uniform(-1e6, 1e6) for _ in range(n)], [float(rng.randint(0, 9)) for _ in range(n)],
+                       [rng.choice([1e-300, 1e300, -1e300, 0.1, 3.0]) for _ in range(n)]):
+            assert mean(values) == statistics.fmean(values)
+            assert median(values) == statistics.median(values)
+
+
+def test_a_rule_series_history_keeps_and_finds_what_a_scan_of_every_sample_found():
+    """Rule histories are kept in arrays (16 bytes a sample; a deque of tuples took ~90, 110 MB with 1,000
+    jobs over the 10 min baseline) and windows found by bisection: the same samples as a list scan."""
+    from tfprofd.daemon.rules import History
+
+    rng = random.Random(2424)
+    history, plain = History(), []
+    now = 0.0
+    for _ in range(3000):
+        now += rng.choice([0.0, 0.5, 1.0, 1.0, 7.0])  # equal times too (two samples in one instant)
+        value = rng.uniform(-5, 5)
+        history.append(now, value)
+        plain.append((now, value))
+        keep = rng.choice([30.0, 200.0, 625.0])
+        history.drop_before(now - keep)
+        plain = [(t, v) for t, v in plain if t >= now - keep]
+        assert list(history) == plain and len(history) == len(plain) and history.last() == plain[-1][1]
+        start, end = now - rng.uniform(0, 300), now - rng.uniform(0, 30)
+        assert history.between(start, end) == [v for t, v in plain if start <= t < end]
+        assert history.between(end) == [v for t, v in plain if t >= end]

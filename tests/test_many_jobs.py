@@ -1,0 +1,187 @@
+"""1,000 training jobs (issue 24): the training series written by hand are what prometheus_client writes,
+whatever the labels and values, through jobs coming and going and scrapes racing a re-render; a burst of
+UDP reports shares one read of the host's socket table."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+from prometheus_client.utils import floatToGoString
+
+from tfprofd.daemon.exposition import OPENMETRICS, TEXT, render, render_library
+from tfprofd.exporter.base import Environment, Sectioned, gauge, go_float
+from tfprofd.exporter.hook import PHASES, STEP_BUCKETS, Reporter
+from tfprofd.exporter.training import (
+    Counts,
+    HookSettings,
+    Sender,
+    TrainingCollector,
+    UdpTable,
+    _job_families,
+    _job_lines,
+    _Row,
+)
+
+HOSTILE = ['a"b', "back\\slash", "new\nline", 'all "\\\n" three', "ünïcödé ✓ 日本", "", "\\n", '"', "\\",
+           "x" * 1000, ('"\\\n' * 334)[:1000], "{}=,# EOF", "\t tab and spaces "]
+NUMBERS = [0, 1, 7, 999_999, 1_000_000, 1_234_567, 2**53, -1, -(10**15), -(10**15) - 1, 10**16,
+           0.0, -0.0, 0.5, 1e-9, 1e-5, 0.1 + 0.2, 123456.75, 1234567.5, 1e16, 3.14e21, 1e300, -2.5, -1e20,
+           float("inf"), float("-inf"), float("nan"), True, False]
+
+
+def test_sample_values_are_written_as_prometheus_client_writes_them():
+    rng = random.Random(24)
+    values = NUMBERS + [rng.randint(-(2**60), 2**60) for _ in range(2000)] + \
+        [rng.uniform(-1e7, 1e7) for _ in range(2000)] + [10 ** rng.uniform(-12, 25) for _ in range(2000)] + \
+        [float(rng.randint(0, 10**8)) for _ in range(2000)]
+    for value in values:
+        assert go_float(value) == floatToGoString(value), value
+
+
+def _row(rng: random.Random, hostile: bool) -> _Row:
+    def name() -> str:
+        return rng.choice(HOSTILE) if hostile and rng.random() < 0.7 else f"job{rng.randrange(10**6)}"
+
+    def number(integer: bool = False) -> float:
+        if rng.random() < 0.3:
+            return rng.choice([n for n in NUMBERS if isinstance(n, int) and not isinstance(n, bool)] if integer
+                              else NUMBERS)
+        return rng.randrange(10**rng.randint(1, 9)) if integer else rng.uniform(0, 10**rng.randint(0, 8))
+
+    def maybe(value: float) -> float | None:
+        return None if rng.random() < 0.25 else value
+
+    buckets = tuple(sorted(number(integer=True) for _ in STEP_BUCKETS))
+    totals = Counts(number(True), number(True), number(True), number(True), number(), buckets)
+    return _Row(key=(name(), name()), totals=totals, processes=rng.randint(0, 64), up=rng.random() < 0.8,
+                rate=maybe(number()), batch_size=maybe(number(integer=True)), epoch=maybe(number(integer=True)),
+                phase=rng.choice([*PHASES, None]), first_step_seconds=maybe(number()),
+                profilers=tuple(sorted({rng.choice([*HOSTILE, "127.0.0.1:6009", "[::1]:1"])
+                                        for _ in range(rng.randint(0, 3))})))
+
+
+def _sectioned(rows: list[_Row]) -> Sectioned:
+    head = [gauge("hook_jobs", "Jobs.", [], [((), len(rows))])]
+    return Sectioned(head, _job_families, [(r.key, r) for r in rows], _job_lines)
+
+
+@pytest.mark.parametrize("hostile", [False, True])
+def test_hand_written_training_lines_are_byte_identical_to_prometheus_client(hostile):
+    """Random jobs, with labels of quotes, backslashes, newlines, unicode and 1,000 characters, and values
+    of NaN, ±Inf, Go's exponents; rendered through one cache while jobs come, change and expire."""
+    rng = random.Random(240 + hostile)
+    rows = [_row(rng, hostile) for _ in range(300)]
+    assert any(len(r.key[0]) == 1000 for r in rows) or not hostile
+    caches: dict = {TEXT: {}, OPENMETRICS: {}}
+    labels: dict = {}  # label sets as written, kept across renderings of plain families (the agent's own part)
+    for _ in range(6):
+        families = _sectioned(rows)
+        for fmt in (TEXT, OPENMETRICS):
+            assert render(families, fmt, caches[fmt]) == render_library(list(families), fmt), fmt
+            plain = list(_job_families(rows))  # the same series as plain families, as rule_active comes
+            assert render(plain, fmt, None, labels) == render_library(plain, fmt), fmt
+        keep = [r for r in rows if rng.random() < 0.7]  # the rest expire; some of the kept change, new ones come
+        rows = [_row(rng, hostile) if rng.random() < 0.3 else r for r in keep] + [_row(rng, hostile) for _ in range(60)]
+
+
+def test_a_scrape_rendering_while_a_sample_renders_gets_its_own_snapshot_whole():
+    """Scrape threads and the sampling thread share one section cache: each rendering must be exactly its
+    own snapshot's, whichever rendering last filled the cache."""
+    rng = random.Random(2424)
+    rows = [_row(rng, True) for _ in range(200)]
+    snapshots = []
+    for _ in range(4):
+        rows = [_row(rng, True) if rng.random() < 0.5 else r for r in rows if rng.random() < 0.9]
+        families = _sectioned(rows)
+        snapshots.append((families, render_library(list(families), OPENMETRICS)))
+    cache: dict = {}
+    wrong: list[int] = []
+
+    def scrape(seed: int) -> None:
+        pick = random.Random(seed)
+        for _ in range(40):
+            i = pick.randrange(len(snapshots))
+            if render(snapshots[i][0], OPENMETRICS, cache) != snapshots[i][1]:
+                wrong.append(i)
+
+    threads = [threading.Thread(target=scrape, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
+
+
+def test_a_burst_of_udp_reports_shares_one_read_of_the_socket_table(tmp_path):
+    """Reading /proc/net/udp costs ~2 ms with a thousand sockets on the host: per report, the agent could not
+    keep up with 1,000 jobs. A batch reads it once; each report is still its own socket's."""
+    senders = []
+    for _ in range(40):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        senders.append(s)
+    free = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    free.bind(("127.0.0.1", 0))
+    unused_port = free.getsockname()[1]
+    free.close()  # a port no socket of this host sends from
+    (tmp_path / "self").mkdir()
+    shutil.copytree(Path("/proc/self/net"), tmp_path / "self" / "net", ignore=lambda d, names: [
+        n for n in names if n not in ("udp", "udp6")])
+    table = UdpTable(tmp_path)
+    collector = TrainingCollector(HookSettings(socket="", listen=None), Environment())
+    try:
+        assert table.on_port(senders[0].getsockname()[1])[0].uid == os.geteuid()
+        shutil.rmtree(tmp_path / "self")  # read once: the rest of the batch must not need the files
+        for i, s in enumerate(senders):
+            reporter = Reporter(job=f"burst{i}", worker="0", profiler=False, addr="127.0.0.1:9")
+            payload = json.dumps(reporter.report()).encode()
+            sender = Sender(local=False, address="127.0.0.1", port=s.getsockname()[1])
+            assert collector.receive(payload, sender, table)
+        stray = json.dumps(Reporter(job="stray", worker="0", profiler=False, addr="127.0.0.1:9").report()).encode()
+        assert not collector.receive(stray, Sender(local=False, address="127.0.0.1", port=unused_port), table)
+        assert collector.accepted == 40 and collector.rejected["unverified_sender"] == 1
+        origins = {key[0] for job in collector.jobs.values() for key in job.processes}
+        assert origins == {f"udp:127.0.0.1:uid={os.geteuid()}"}
+    finally:
+        collector.close()
+        for s in senders:
+            s.close()
+
+
+
+def test_rule_series_are_built_again_exactly_when_a_rule_state_changes():
+    """The agent's own part holds a rule_active series per rule and job (3,000 with 1,000 jobs): built again
+    only when a state comes, goes, or changes; what a scrape reads follows every change."""
+    from tfprofd.daemon.rules import Condition, Engine, Rule
+    from tfprofd.exporter.registry import signal_catalog
+
+    engine = Engine([Rule("low", "", (Condition("gpu_utilization", below=0.5),), for_seconds=2)], signal_catalog())
+
+    def observe(t: float, **gpus: float) -> None:
+        engine.observe("nvml", t, {"gpu_utilization": [({"gpu": g}, v) for g, v in gpus.items()]}, lambda _: True)
+
+    def active() -> dict[str, float]:
+        families = engine.collect()
+        assert render(families, OPENMETRICS) == render_library(families, OPENMETRICS)
+        return {s.labels["gpu"]: s.value for s in families[0].samples}
+
+    observe(0, g0=0.9)
+    first = engine.collect()
+    observe(1, g0=0.8)
+    assert engine.collect() is first and active() == {"g0": 0.0}  # nothing changed: the same families
+    observe(2, g0=0.1, g1=0.9)
+    assert active() == {"g0": 0.0, "g1": 0.0}  # a new series
+    observe(4, g0=0.1, g1=0.9)
+    assert active() == {"g0": 1.0, "g1": 0.0}  # firing
+    assert [s.value for s in engine.collect()[1].samples] == [1.0]
+    observe(5, g1=0.9)
+    assert active() == {"g1": 0.0}  # g0 gone
+    engine.set_rules([])
+    assert active() == {}
