@@ -6,6 +6,9 @@ each figure beside the way it was done before, alternating in one process:
   renderings are compared byte for byte every round;
 - identifying a UDP report's sender with 1,000 UDP sockets on the host: a read of /proc/net/udp per report
   (as before) against one read per batch of 256 datagrams (the receive loop's drain);
+- rendering the agent's rule_active series (a series per default rule and job: 3,000 with 1,000 jobs) after
+  a sample that changed no rule state: written again with its label sets kept (as before) against the
+  family's lines kept while it is the same object;
 - receiving (validating) a report and freezing the jobs at a sample, for scale.
 
 ``--quick``: 20 jobs, 2 rounds, no targets (CI).
@@ -20,9 +23,12 @@ import statistics
 import sys
 import time
 
-from tfprofd.daemon.exposition import OPENMETRICS, render, render_library
+from tfprofd.daemon.config import load_rules_file
+from tfprofd.daemon.exposition import OPENMETRICS, TEXT, render, render_library
+from tfprofd.daemon.rules import DEFAULT_RULES, Engine
 from tfprofd.exporter.base import Clock, Environment, Sectioned
 from tfprofd.exporter.hook import Reporter
+from tfprofd.exporter.registry import signal_catalog
 from tfprofd.exporter.training import HookSettings, Sender, TrainingCollector, UdpTable, identify_udp_sender
 
 QUICK = "--quick" in sys.argv
@@ -56,10 +62,12 @@ def main() -> None:
     ports = [s.getsockname()[1] for s in sockets]
     sender = Sender(local=False, address="127.0.0.1")
     caches: dict[str, dict] = {"library": {}, "hand": {}}
+    engine = Engine(load_rules_file(DEFAULT_RULES, []), signal_catalog())
+    rule_caches: dict[str, tuple[dict, dict | None]] = {"relabelled": ({}, None), "kept": ({}, {})}
     gc.collect()
     gc.freeze()  # as the agent does after its start
     figures: dict[str, list[float]] = {k: [] for k in ("receive", "sample", "library", "hand", "per_report",
-                                                        "per_batch")}
+                                                        "per_batch", "rules", "relabelled", "kept")}
     try:
         for round_ in range(ROUNDS + 1):
             payloads = []
@@ -76,6 +84,16 @@ def main() -> None:
             received = time.perf_counter()
             collector.sample()
             sampled = time.perf_counter()
+            engine.observe("training", clock.mono, collector.rule_signals(), lambda _: True)
+            observed = time.perf_counter()
+            rules = engine.collect()
+            expected = {fmt: render_library(rules, fmt) for fmt in (TEXT, OPENMETRICS)}
+            rule_timings = {}
+            for name, (labels, kept) in sorted(rule_caches.items(), reverse=round_ % 2 == 1):
+                t0 = time.perf_counter()
+                bodies = {fmt: render(engine.collect(), fmt, None, labels, kept) for fmt in (TEXT, OPENMETRICS)}
+                rule_timings[name] = time.perf_counter() - t0
+                assert bodies == expected, f"rule_active {name} differs from prometheus_client"
             hand = collector.collect()
             library = Sectioned(hand.head, hand.build, hand.sections)  # the same jobs, without the hand path
             timings = {}
@@ -97,6 +115,9 @@ def main() -> None:
                 continue  # the first round meets new jobs and cold caches
             figures["receive"].append((received - started) / JOBS)
             figures["sample"].append((sampled - received) / JOBS)
+            figures["rules"].append((observed - sampled) / JOBS)
+            figures["relabelled"].append(rule_timings["relabelled"] / JOBS)
+            figures["kept"].append(rule_timings["kept"] / JOBS)
             figures["library"].append(timings["library"] / JOBS)
             figures["hand"].append(timings["hand"] / JOBS)
             figures["per_report"].append((t1 - t0) / min(BATCH, JOBS))
@@ -112,11 +133,16 @@ def main() -> None:
     print(f"  identify a UDP sender ({JOBS} UDP sockets on the host): /proc/net/udp read per report "
           f"{us['per_report']:.1f} µs, once per batch of {BATCH} {us['per_batch']:.1f} µs: "
           f"{us['per_report'] / us['per_batch']:.1f}x")
-    print(f"  validate and apply a report {us['receive']:.1f} µs; freeze a job at a sample {us['sample']:.1f} µs")
-    per_second = (us["hand"] + us["per_batch"] + us["receive"] + us["sample"]) * JOBS / 1e6
+    print(f"  render rule_active of a job (text and OpenMetrics, no state changed): label sets kept "
+          f"{us['relabelled']:.1f} µs, the family's lines kept {us['kept']:.2f} µs: "
+          f"{us['relabelled'] / us['kept']:.1f}x (byte-identical)")
+    print(f"  validate and apply a report {us['receive']:.1f} µs; freeze a job at a sample {us['sample']:.1f} µs; "
+          f"evaluate the default rules on a job's signals {us['rules']:.1f} µs")
+    common = us["receive"] + us["sample"] + us["rules"]
+    per_second = (us["hand"] + us["per_batch"] + us["kept"] + common) * JOBS / 1e6
+    was = (us["library"] + us["per_report"] + us["relabelled"] + common) * JOBS / 1e6
     print(f"  the collector's work for {JOBS} jobs a second: {per_second * 100:.2f}% of a core (was "
-          f"{(us['library'] + us['per_report'] + us['receive'] + us['sample']) * JOBS / 1e4:.2f}%: more than a core "
-          "is an agent that falls behind)")
+          f"{was * 100:.2f}%: more than a core is an agent that falls behind)")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _FAST_TYPES = frozenset({"gauge", "counter", "histogram"})
 # one collector's sections: key -> (token, sample lines per family, label sets written)
 SectionCache = dict[Hashable, tuple[object, Sequence[str], dict[tuple, str]]]
+# a part's plain families as last rendered: name -> (the family object, its sample lines)
+KeptFamilies = dict[str, tuple[Metric, str]]
 _NONE_WRITTEN: dict[tuple, str] = {}  # hand-written sections (Sectioned.lines) keep no label cache
 
 
@@ -93,13 +95,16 @@ def _render_samples(family: Metric, out: list[str], written: dict[tuple, str] | 
 
 
 def render(families: Iterable[Metric], fmt: str, sections: SectionCache | None = None,
-           labels: dict[tuple, str] | None = None) -> bytes:
+           labels: dict[tuple, str] | None = None, kept: KeptFamilies | None = None) -> bytes:
     """Families in one format, as prometheus_client writes them (without OpenMetrics' ``# EOF``).
 
     ``Sectioned`` families are rendered section by section: with a ``sections`` cache (one per collector),
     only the sections whose token changed since the last rendering. Other families' label sets are written
     once into ``labels`` (one per part) and reused: the agent's own part holds a ``rule_active`` series per
-    rule and job, 3,000 with 1,000 jobs, whose labels stay while their values change."""
+    rule and job, 3,000 with 1,000 jobs, whose labels stay while their values change. With ``kept`` (one
+    per part), a family that is the very object rendered last time is not rendered again: its sample lines
+    are reused (the rules engine hands out the same families while no state changed; a family is never
+    changed once collected)."""
     out: list[str] = []
     if isinstance(families, Sectioned):
         try:
@@ -109,16 +114,26 @@ def render(families: Iterable[Metric], fmt: str, sections: SectionCache | None =
             out = []
     if labels is not None and len(labels) > MAX_LABEL_SETS:
         labels.clear()  # bounded where label sets churn
+    fresh: KeptFamilies = {}
     for family in families:
         part: list[str] = []
         try:
             if not _fast(family):
                 raise _Unusual
             part.append(_header(family, fmt))
-            _render_samples(family, part, labels)
+            entry = None if kept is None else kept.get(family.name)
+            if entry is None or entry[0] is not family:
+                lines: list[str] = []
+                _render_samples(family, lines, labels)
+                entry = (family, "".join(lines))
+            fresh[family.name] = entry
+            part.append(entry[1])
         except _Unusual:
             part = [render_library([family], fmt).decode()]
         out.extend(part)
+    if kept is not None:
+        kept.clear()
+        kept.update(fresh)  # families that are gone are dropped
     return "".join(out).encode()
 
 
@@ -189,6 +204,7 @@ class Exposition:
         self._parts: dict[tuple[str, str], Part] = {}  # (collector, format) -> part
         self._sections: dict[str, SectionCache] = {}  # collector -> its rendered sections (render())
         self._labels: dict[str, dict[tuple, str]] = {}  # collector -> its label sets as written (render())
+        self._kept: dict[str, KeptFamilies] = {}  # collector -> its families as last rendered (render())
         self._scrapes: dict[str, tuple[float, float | None]] = {}  # format -> (last scrape, period)
         self._lock = threading.Lock()
 
@@ -222,13 +238,15 @@ class Exposition:
         return part.bytes
 
     def _render(self, name: str, collect: Callable[[], Iterable[Metric]], fmt: str) -> bytes:
-        return render(collect(), fmt, self._sections.setdefault(name, {}), self._labels.setdefault(name, {}))
+        return render(collect(), fmt, self._sections.setdefault(name, {}), self._labels.setdefault(name, {}),
+                      self._kept.setdefault(name, {}))
 
     def forget(self, name: str) -> None:
         for key in [k for k in self._parts if k[0] == name]:
             self._parts.pop(key, None)
         self._sections.pop(name, None)
         self._labels.pop(name, None)
+        self._kept.pop(name, None)
 
     def _asked(self, fmt: str) -> None:
         now = self.clock()

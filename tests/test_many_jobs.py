@@ -185,3 +185,54 @@ def test_rule_series_are_built_again_exactly_when_a_rule_state_changes():
     assert active() == {"g1": 0.0}  # g0 gone
     engine.set_rules([])
     assert active() == {}
+
+
+def test_rule_series_of_hostile_jobs_are_written_as_prometheus_client_writes_them_while_states_change():
+    """rule_active of jobs named with quotes, backslashes, newlines, unicode and 1,000 characters, rendered
+    through the agent's caches (label sets, families kept while unchanged) in both formats while states come,
+    fire, resolve and go; a family that is the same object as last time is written from its kept lines."""
+    from tfprofd.daemon.exposition import Exposition
+    from tfprofd.daemon.rules import Condition, Engine, Rule
+    from tfprofd.exporter.registry import signal_catalog
+
+    rng = random.Random(2424)
+    engine = Engine([Rule("slow", "", (Condition("samples_per_second", below=10),), for_seconds=1),
+                     Rule("b\"a\\d\nrule ✓", "", (Condition("step_seconds", above=1),), for_seconds=0)],
+                    signal_catalog())
+    exposition = Exposition(clock=lambda: 0.0)
+    jobs = sorted({*HOSTILE, *(f"job{i}" for i in range(40))})
+    bodies: dict[str, bytes] = {}
+    for t in range(12):
+        live = [j for j in jobs if rng.random() < 0.8]
+        engine.observe("training", float(t), {
+            "samples_per_second": [({"training_job": j, "worker": w}, rng.choice([1.0, 100.0, float("nan")]))
+                                   for j in live for w in ("0", HOSTILE[t % len(HOSTILE)])],
+            "step_seconds": [({"training_job": j, "worker": "0"}, rng.choice([0.1, 2.0])) for j in live]},
+            lambda _: True)
+        families = engine.collect()
+        for fmt in (TEXT, OPENMETRICS):
+            body = exposition._render("agent", engine.collect, fmt)
+            assert body == render_library(families, fmt), (t, fmt)
+            assert exposition._kept["agent"]["tfprofd_rule_active"][0] is families[0]  # the next one reuses it
+            if engine.collect() is families and fmt in bodies and t % 3 == 0:
+                assert exposition._render("agent", engine.collect, fmt) == body
+            bodies[fmt] = body
+    assert {s.value for s in engine.collect()[0].samples} == {0.0, 1.0}
+    assert any('\\"' in s.labels["training_job"] or "\n" in s.labels["training_job"]
+               for s in engine.collect()[0].samples)
+
+
+def test_a_family_kept_from_the_last_rendering_is_written_again_only_while_it_is_the_same_object():
+    """The agent's own part keeps the lines of families that did not change (rule_active: 3,000 series with
+    1,000 jobs); a new family of the same name, even with the same labels, is written from its own values."""
+    kept: dict = {}
+    labels: dict = {}
+    first = [gauge("rule_active", "Whether.", ["rule", "training_job"], [(("r", j), 0.0) for j in HOSTILE])]
+    for fmt in (TEXT, OPENMETRICS, TEXT):
+        assert render(first, fmt, None, labels, kept) == render_library(first, fmt)
+    assert kept["tfprofd_rule_active"][0] is first[0]
+    second = [gauge("rule_active", "Whether.", ["rule", "training_job"], [(("r", j), 1.0) for j in HOSTILE])]
+    for fmt in (OPENMETRICS, TEXT):
+        body = render(second, fmt, None, labels, kept)
+        assert body == render_library(second, fmt) and b" 0.0\n" not in body
+    assert render([], TEXT, None, labels, kept) == b"" and kept == {}  # families that are gone are dropped
