@@ -9,6 +9,8 @@ each figure beside the way it was done before, alternating in one process:
 - rendering the agent's rule_active series (a series per default rule and job: 3,000 with 1,000 jobs) after
   a sample that changed no rule state: written again with its label sets kept (as before) against the
   family's lines kept while it is the same object;
+- a rule's 10-minute baseline median (throughput_drop, step_time_outlier: a series per job each) after 10
+  minutes of samples: the window sorted afresh every sample (as before) against kept sorted as it slides;
 - receiving (validating) a report and freezing the jobs at a sample, for scale.
 
 ``--quick``: 20 jobs, 2 rounds, no targets (CI).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import random
 import socket
 import statistics
 import sys
@@ -25,7 +28,7 @@ import time
 
 from tfprofd.daemon.config import load_rules_file
 from tfprofd.daemon.exposition import OPENMETRICS, TEXT, render, render_library
-from tfprofd.daemon.rules import DEFAULT_RULES, Engine
+from tfprofd.daemon.rules import DEFAULT_RULES, Engine, History
 from tfprofd.exporter.base import Clock, Environment, Sectioned
 from tfprofd.exporter.hook import Reporter
 from tfprofd.exporter.registry import signal_catalog
@@ -64,10 +67,13 @@ def main() -> None:
     caches: dict[str, dict] = {"library": {}, "hand": {}}
     engine = Engine(load_rules_file(DEFAULT_RULES, []), signal_catalog())
     rule_caches: dict[str, tuple[dict, dict | None]] = {"relabelled": ({}, None), "kept": ({}, {})}
+    rng = random.Random(24)
+    baselines = [History((t, rng.uniform(1500, 1700)) for t in range(600)) for _ in range(JOBS)]
     gc.collect()
     gc.freeze()  # as the agent does after its start
     figures: dict[str, list[float]] = {k: [] for k in ("receive", "sample", "library", "hand", "per_report",
-                                                        "per_batch", "rules", "relabelled", "kept")}
+                                                        "per_batch", "rules", "relabelled", "kept",
+                                                        "afresh", "slid")}
     try:
         for round_ in range(ROUNDS + 1):
             payloads = []
@@ -102,6 +108,19 @@ def main() -> None:
                 body = render(families, OPENMETRICS, caches[name])
                 timings[name] = time.perf_counter() - t0
                 assert body == render_library(list(hand), OPENMETRICS), f"{name} differs from prometheus_client"
+            medians: dict[str, list] = {}
+            for history in baselines:
+                history.append(600 + round_, rng.uniform(1500, 1700))
+                history.drop_before(600 + round_ - 625)
+            for name in sorted(("afresh", "slid"), reverse=round_ % 2 == 1):
+                now = 600.0 + round_
+                t0 = time.perf_counter()
+                if name == "afresh":
+                    medians[name] = [statistics.median(h.between(now - 620, now - 20)) for h in baselines]
+                else:
+                    medians[name] = [h.median_between(now - 620, now - 20, "baseline") for h in baselines]
+                medians[name + " seconds"] = [time.perf_counter() - t0]
+            assert medians["afresh"] == medians["slid"]
             t0 = time.perf_counter()
             for port in ports[:BATCH]:
                 identify_udp_sender("127.0.0.1", port)
@@ -116,6 +135,8 @@ def main() -> None:
             figures["receive"].append((received - started) / JOBS)
             figures["sample"].append((sampled - received) / JOBS)
             figures["rules"].append((observed - sampled) / JOBS)
+            figures["afresh"].append(medians["afresh seconds"][0] / JOBS)
+            figures["slid"].append(medians["slid seconds"][0] / JOBS)
             figures["relabelled"].append(rule_timings["relabelled"] / JOBS)
             figures["kept"].append(rule_timings["kept"] / JOBS)
             figures["library"].append(timings["library"] / JOBS)
@@ -136,13 +157,16 @@ def main() -> None:
     print(f"  render rule_active of a job (text and OpenMetrics, no state changed): label sets kept "
           f"{us['relabelled']:.1f} µs, the family's lines kept {us['kept']:.2f} µs: "
           f"{us['relabelled'] / us['kept']:.1f}x (byte-identical)")
+    print(f"  a job's 10-minute baseline median, each sample: sorted afresh {us['afresh']:.1f} µs, kept sorted as "
+          f"it slides {us['slid']:.1f} µs: {us['afresh'] / us['slid']:.1f}x (the same medians; a job has two)")
     print(f"  validate and apply a report {us['receive']:.1f} µs; freeze a job at a sample {us['sample']:.1f} µs; "
           f"evaluate the default rules on a job's signals {us['rules']:.1f} µs")
     common = us["receive"] + us["sample"] + us["rules"]
     per_second = (us["hand"] + us["per_batch"] + us["kept"] + common) * JOBS / 1e6
     was = (us["library"] + us["per_report"] + us["relabelled"] + common) * JOBS / 1e6
     print(f"  the collector's work for {JOBS} jobs a second: {per_second * 100:.2f}% of a core (was "
-          f"{was * 100:.2f}%: more than a core is an agent that falls behind)")
+          f"{was * 100:.2f}%: more than a core is an agent that falls behind); after 10 minutes, two baselines a "
+          f"job: +{2 * us['slid'] * JOBS / 1e4:.2f}% (was +{2 * us['afresh'] * JOBS / 1e4:.2f}%)")
 
 
 if __name__ == "__main__":

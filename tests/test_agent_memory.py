@@ -8,7 +8,7 @@ import statistics
 import subprocess
 import sys
 
-from tfprofd.daemon.rules import mean, median
+from tfprofd.daemon.rules import History, mean
 
 RARE = ("statistics", "fractions", "decimal", "difflib", "tfprofd.daemon.analysis.onset")
 
@@ -26,7 +26,8 @@ def test_rules_mean_and_median_are_statistics_own():
         for values in ([rng.uniform(-1e6, 1e6) for _ in range(n)], [float(rng.randint(0, 9)) for _ in range(n)],
                        [rng.choice([1e-300, 1e300, -1e300, 0.1, 3.0]) for _ in range(n)]):
             assert mean(values) == statistics.fmean(values)
-            assert median(values) == statistics.median(values)
+            history = History(enumerate(values))
+            assert history.median_between(0, n, "all") == statistics.median(values)
 
 
 def test_a_rule_series_history_keeps_and_finds_what_a_scan_of_every_sample_found():

@@ -208,3 +208,27 @@ def test_firing_for_follows_each_job_through_firing_resolving_going_and_rule_rem
     assert e.engine.firing_for("a") and not e.engine.firing_for("b")
     e.engine.set_rules([])
     assert not e.engine.firing_for("a")
+
+
+def test_a_baseline_median_kept_sorted_as_its_window_slides_is_the_median_of_the_window():
+    """A rule's 10-minute baseline is kept sorted while it slides (sorting it afresh every sample for 1,000
+    jobs cost ~9% of a core): through equal values, equal times, gaps, compaction of old samples, windows
+    that jump back or past their last position, and several windows on one series, the median is always
+    statistics.median of the samples in the window."""
+    import random
+    import statistics
+
+    rng = random.Random(2411)
+    history = History()
+    now, checked = 0.0, 0
+    for step in range(4000):
+        now += rng.choice([0.0, 1.0, 1.0, 1.0, 2.0, 45.0 if step % 500 == 0 else 1.0])
+        history.append(now, rng.choice([rng.uniform(0, 10), 5.0, float(rng.randint(0, 3)), -0.0, 0.0]))
+        history.drop_before(now - rng.choice([700.0, 700.0, 700.0, 90.0]))
+        for key, window, baseline in (("a", 20.0, 600.0), ("b", 0.0, 60.0), ("c", rng.uniform(0, 700), 30.0)):
+            start = now - window
+            values = history.between(start - baseline, start)
+            got = history.median_between(start - baseline, start, key, 3)
+            assert got == (statistics.median(values) if len(values) >= 3 else None), (step, key)
+            checked += len(values) >= 3
+    assert checked > 8000
