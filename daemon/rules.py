@@ -256,6 +256,10 @@ class History:
         first = bisect_left(self._times, start, self._start)
         return self._values[first:bisect_left(self._times, end, first)].tolist()
 
+    def forget_sorted(self) -> None:
+        """Drop the windows kept sorted (the rules changed: a window no rule uses any more must not stay)."""
+        self._sorted = None
+
     def median_between(self, start: float, end: float, key: Hashable, least: int = 1) -> float | None:
         """``median(self.between(start, end))``, None with fewer than ``least`` samples. The window named
         ``key`` is kept sorted from one call to the next: as it slides, the samples that left it are taken
@@ -345,6 +349,9 @@ class Engine:
             old = {r.name: r for r in self.rules}
             self.rules = list(rules)
             self._version += 1
+            for histories in self._history.values():
+                for history in histories.values():
+                    history.forget_sorted()  # each rule's baseline is sorted again at its next evaluation
             kept = {r.name for r in rules if old.get(r.name) == r}
             out = [Transition(RESOLVED, old[name], dict(labels), s.value, "rule removed or changed")
                    for (name, labels), s in self._states.items() if name not in kept and s.active]

@@ -232,3 +232,19 @@ def test_a_baseline_median_kept_sorted_as_its_window_slides_is_the_median_of_the
             assert got == (statistics.median(values) if len(values) >= 3 else None), (step, key)
             checked += len(values) >= 3
     assert checked > 8000
+
+
+def test_baseline_windows_kept_sorted_do_not_outlive_the_rules_that_used_them():
+    """Each rule's baseline window is kept sorted per series (up to 600 values, 4.8 kB): rules edited again
+    and again with other windows must not leave their old windows behind."""
+    from tfprofd.exporter.registry import signal_catalog
+
+    engine = Engine([], signal_catalog())
+    labels = {"training_job": "j", "worker": "0"}
+    for edit in range(5):
+        engine.set_rules([Rule("drop", "", (Condition("samples_per_second", aggregate="mean", window=float(edit),
+                                                      below_baseline=0.5, baseline=60.0),))])
+        for t in range(100 * edit, 100 * edit + 100):
+            engine.observe("training", float(t), {"samples_per_second": [(labels, 100.0 + t % 7)]}, lambda _: True)
+        (history,) = engine._history["samples_per_second"].values()
+        assert list(history._sorted) == [(float(edit), 60.0)]
