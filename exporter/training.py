@@ -49,7 +49,7 @@ REJECT_REASONS = ("too_large", "too_deep", "malformed_json", "not_an_object", "u
                   "stale", "counter_decreased", "pid_mismatch", "untrusted_profiler", "unverified_sender",
                   "too_many_jobs", "internal_error")
 SECURITY_REASONS = frozenset({"pid_mismatch", "untrusted_profiler", "unverified_sender"})  # logged as warnings
-_NAME = re.compile(r"^[A-Za-z0-9_.:/@+-]{1,128}$")
+_NAME = re.compile(r"[A-Za-z0-9_.:/@+-]{1,128}")
 _MAX_COUNT = 2**53
 MAX_BRACKETS = 16  # the schema nests 3 deep; more brackets than this is not a report
 MAX_PROCESSES_PER_JOB = 64
@@ -130,7 +130,7 @@ def _float(data: dict[str, Any], key: str, optional: bool = False) -> float | No
 
 def _name(data: dict[str, Any], key: str) -> str:
     value = data.get(key)
-    if not isinstance(value, str) or not _NAME.match(value):
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise Rejected("invalid_field", f"{key} must be 1-128 characters of [A-Za-z0-9_.:/@+-], got {_show(value)}")
     return value
 

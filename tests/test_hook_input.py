@@ -43,6 +43,7 @@ def test_a_valid_report_parses():
     (encode(valid(steps="12")), "invalid_field"),
     (encode(valid(job="")), "invalid_field"),
     (encode(valid(job="a b")), "invalid_field"),
+    (encode(valid(job="resnet\n")), "invalid_field"),  # a trailing newline is not a name character
     (encode(valid(phase="sleeping")), "invalid_field"),
     (encode(valid(pid=True)), "invalid_field"),
     (encode(valid(step_seconds={"count": 1, "sum": 0.1, "buckets": [1, 0] + [0] * 13})), "invalid_field"),
