@@ -111,14 +111,17 @@ def verdict(record: dict[str, Any]) -> tuple[bool, str]:
     """Whether the record says the host was contended, and the verdict to print."""
     analysis = record.get("analysis") or {}
     host = record.get("host") or {}
-    contention = host.get("contention")
+    before = host.get("before") or {}
+    contention, where = host.get("contention"), "in the capture window"
+    if contention is None and before.get("contention") is not None:
+        contention, where = before["contention"], f"over the {before['lookback']:.0f} s its rule measured"
     said = (analysis.get("bottleneck") == "host_contention" or CONTENDED in (analysis.get("summary") or "")
             or contention is not None)
     what = analysis.get("bottleneck") or f"{record['status']}: {record.get('reason')}"
     if contention is not None:
-        what += f" (host: lost {contention['lost_share']:.0%} of {contention['wanted_cores']:.1f} CPUs)"
-    elif host.get("before"):
-        what += f" (host: not contended in the window; {host['before']['cpu_busy']:.0%} busy before)"
+        what += f" (host: the job lost {contention['lost_share']:.0%} of {contention['wanted_cores']:.1f} CPUs {where})"
+    elif before:
+        what += f" (host: not contended; {before['cpu_busy']:.0%} busy before)"
     return said, what
 
 
@@ -181,6 +184,7 @@ def main() -> int:
             status, body = agent.call("GET", "/captures")
             assert status == 200, body
             records = body["captures"]
+            refused = refusals(agent.log())
         finally:
             stop.set()
             for t in threads:
@@ -189,10 +193,21 @@ def main() -> int:
                 job.kill()
                 job.wait()
             agent.stop()
-    return report(records, text, load)
+    return report(records, text, load, refused)
 
 
-def report(records: list[dict[str, Any]], text: str, load: LoadLog) -> int:
+def refusals(log: str) -> dict[tuple[str, str], int]:
+    """{(rule, why): count} of firings the policy refused a capture, from the agent's log."""
+    out: dict[tuple[str, str], int] = {}
+    for m in re.finditer(r'rule (\S+): no capture: ([^"]*)"', log):
+        why = m.group(2)
+        why = ("cooldown" if "cooldown ago" in why else "max_per_hour" if "max_per_hour" in why
+               else "busy" if "busy" in why or "running" in why else why[:60])
+        out[(m.group(1), why)] = out.get((m.group(1), why), 0) + 1
+    return out
+
+
+def report(records: list[dict[str, Any]], text: str, load: LoadLog, refused: dict[tuple[str, str], int]) -> int:
     firings = metric(text, "tfprofd_rule_firings_total")
     discarded = metric(text, "tfprofd_captures_discarded_total")
     kept = [r for r in records if r["status"] != "discarded"]
@@ -205,6 +220,8 @@ def report(records: list[dict[str, Any]], text: str, load: LoadLog) -> int:
     for rule in rules:
         print(f"{rule:28} {firings.get(rule, 0):7.0f} {sum((r['rule'] or r['trigger']) == rule for r in kept):8} "
               f"{discarded.get(rule, 0):9.0f}")
+    for (rule, why), n in sorted(refused.items()):
+        print(f"  {rule}: {n} firing/pending transition(s) refused a capture: {why}")
     failing = 0
     for r in kept:
         ok, what = verdict(r)
