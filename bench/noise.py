@@ -225,11 +225,14 @@ def report(records: list[dict[str, Any]], text: str, load: LoadLog, refused: dic
     failing = 0
     for r in kept:
         ok, what = verdict(r)
+        if r["trigger"] == "baseline":  # scheduled once the job trained steadily: what the job does, not noise
+            ok, what = True, f"{what}; a baseline, taken while no rule fired (not judged)"
         failing += not ok
         at = time.strftime('%H:%M:%S', time.gmtime(r['requested_at']))
         print(f"  capture {r['id']} rule {r['rule'] or r['trigger']} at {at} UTC: {what} -> "
               f"{'ok (host contended)' if ok else 'FAIL: noise captured as the job'}")
-    print(f"captures of the unchanged job not saying the host was contended: {failing} of {len(kept)}")
+    judged = sum(r["trigger"] != "baseline" for r in kept)
+    print(f"captures of the unchanged job not saying the host was contended: {failing} of {judged}")
     return 1 if failing else 0
 
 
