@@ -82,7 +82,7 @@ class CaptureService:
     def request(self, trigger: str, job: str | None = None, gpu: str | None = None, *, one_job: bool = False,
                 duration_ms: int | None = None, options: dict[str, int] | None = None, rule: str | None = None,
                 alert: str | None = None, cooldown: float = 0.0, start_at_ns: int | None = None,
-                pending: PendingEntry | None = None) -> list[CaptureRecord]:
+                pending: PendingEntry | None = None, lookback: float | None = None) -> list[CaptureRecord]:
         """Start captures for a job, a GPU, or every job (one per job). Raises the registry's and the policy's
         domain errors, AmbiguousJob (``one_job`` and several match) and StorageError."""
         groups = self.jobs.targets(job, gpu)
@@ -95,7 +95,7 @@ class CaptureService:
             try:
                 records.append(self.start(trigger, group, duration_ms=duration_ms, options=options, rule=rule,
                                           alert=alert, gpu=gpu, cooldown=cooldown, start_at_ns=start_at_ns,
-                                          pending=pending))
+                                          pending=pending, lookback=lookback))
             except DomainError as exc:
                 errors.append(exc)
                 if len(groups) > 1:
@@ -107,9 +107,10 @@ class CaptureService:
     def start(self, trigger: str, targets: list[Target], *, duration_ms: int | None = None,
               options: dict[str, int] | None = None, rule: str | None = None, alert: str | None = None,
               gpu: str | None = None, cooldown: float = 0.0, start_at_ns: int | None = None,
-              pending: PendingEntry | None = None) -> CaptureRecord:
+              pending: PendingEntry | None = None, lookback: float | None = None) -> CaptureRecord:
         """Start one capture; at ``start_at_ns`` (Unix ns, a job-wide capture's common instant) if given;
-        ``pending``: started as its rule went pending, kept only if the rule fires."""
+        ``pending``: started as its rule went pending, kept only if the rule fires; ``lookback``: the seconds
+        of the past its rule measured (the record says whether other processes starved the job then)."""
         s = self.settings()
         budget = None if trigger == "baseline" else s.max_per_hour  # baselines keep their own schedule
         admission = self.policy.admit(targets, budget, rule=rule, cooldown=cooldown, automatic=trigger != "manual")
@@ -138,7 +139,10 @@ class CaptureService:
         if start_at_ns is not None:  # agent mode starts every worker then; server mode waits as long
             ahead_ms = int((start_at_ns / 1e9 - self.clock.time()) * 1000)
             request.update(start_at_ns=start_at_ns, delay_ms=max(0, ahead_ms))
-        before = self.host.load_before() if self.host is not None else None
+        before = self.host.load_before(record.job, lookback) if self.host is not None else None
+        if before is not None and before.contention is not None:
+            log.warning("capture %s: other processes starved job %s before it: %s", record.id, record.job,
+                        before.contention.why)
         thread = threading.Thread(target=self._run, args=(record, request, admission, before, pending), daemon=True,
                                   name=f"tfprofd-capture-{record.id}")
         with self._lock:

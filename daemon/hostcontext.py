@@ -13,6 +13,12 @@ capture worker starts to just after it returns) at the window's two edges, from 
 The sampler's snapshots over the window add what it samples anyway (GPU utilization, memory in use), and its
 CPU samples of the 30 s before the capture was asked for say how busy the host was when the rule fired.
 
+A rule judges a window of the past (throughput_drop: the mean over the last 20 s), so the load that made it fire
+may be over by the time the capture's window opens. For that, the monitor keeps a light reading of each local
+job's threads every ``RING_EVERY`` seconds (``/proc/stat``, PSI, the job's reported processes and their threads'
+schedstat, the agent's own CPU: no scan of every process), and a capture's ``before`` says whether other
+processes starved the job over the span its rule measured (``lookback``), with the same numbers and threshold.
+
 Contention: the job's threads were ready to run on ``wanted`` CPUs on average (run + run-queue wait over the
 window, at most the host's CPUs) and ran on ``got``; what they lost (``wanted - got``, no more than what other
 processes used) is the CPU other processes took from the job. ``host_contention`` is named when that loss is at
@@ -45,6 +51,9 @@ LOST_SHARE = 0.25  # the job lost at least this share of the CPU it was ready to
 LOST_CORES = 0.2  # ...and at least this much CPU
 MIN_WANTED = 0.1  # a job ready to run on less CPU than this was idle: nothing to starve
 BEFORE_SECONDS = 30.0  # the host's load this long before the capture was asked for
+RING_EVERY = 5.0  # seconds between the light readings of each local job's threads
+RING_KEEP = 130.0  # seconds of light readings kept: the longest lookback a rule's window asks for, and a margin
+RING_JOBS = 16  # local jobs read at most (a GPU host runs one per GPU): the cost stays bounded
 SAMPLED = ("cpu", "memory", "nvml")  # collectors whose signals over the window go in the record
 PSI = ("cpu", "io", "memory")
 TOP_OTHERS = 3
@@ -165,15 +174,6 @@ class OtherProcess:
 
 
 @dataclass(frozen=True)
-class HostLoad:
-    """The host's CPUs as the sampler saw them over the seconds before the capture was asked for."""
-
-    seconds: float
-    cpu_busy: float
-    cpu_iowait: float
-
-
-@dataclass(frozen=True)
 class Contention:
     """Other processes starved the job: the CPU it was ready to use, what it got, and who took the rest."""
 
@@ -181,6 +181,18 @@ class Contention:
     got_cores: float
     lost_share: float
     why: str
+
+
+@dataclass(frozen=True)
+class HostLoad:
+    """The host's CPUs as the sampler saw them over the seconds before the capture was asked for, and whether
+    other processes starved the job over the ``lookback`` seconds its rule measured (None: not measured)."""
+
+    seconds: float
+    cpu_busy: float
+    cpu_iowait: float
+    lookback: float | None = None
+    contention: Contention | None = None
 
 
 @dataclass(frozen=True)
@@ -217,9 +229,13 @@ class HostContext:
             values = dict(data)
             values["top_others"] = [OtherProcess(**o) for o in data.get("top_others", [])]
             values["sampled"] = [SeriesSummary(**s) for s in data.get("sampled", [])]
-            for name, kind in (("before", HostLoad), ("contention", Contention)):
-                if data.get(name) is not None:
-                    values[name] = kind(**data[name])
+            if data.get("contention") is not None:
+                values["contention"] = Contention(**data["contention"])
+            if data.get("before") is not None:
+                before = dict(data["before"])
+                if before.get("contention") is not None:
+                    before["contention"] = Contention(**before["contention"])
+                values["before"] = HostLoad(**before)
             context = cls(**values)
         except TypeError as exc:
             raise ValueError(f"host context: {exc}") from None
@@ -233,6 +249,13 @@ class HostContext:
                                                               for v in context.psi_some.values()):
             raise ValueError("host context: psi_some holds a value that is not a number")
         return context
+
+    @property
+    def contended(self) -> Contention | None:
+        """Other processes starved the job over the capture window, else over the span its rule measured."""
+        if self.contention is not None:
+            return self.contention
+        return self.before.contention if self.before is not None else None
 
     def lines(self) -> list[str]:
         """The context for people, a few lines."""
@@ -250,6 +273,8 @@ class HostContext:
         if self.before is not None:
             out.append(f"  before the capture ({self.before.seconds:.0f} s): CPUs {self.before.cpu_busy:.0%} busy, "
                        f"iowait {self.before.cpu_iowait:.0%}")
+            if self.before.contention is not None:
+                out.append(f"  contended before the capture: {self.before.contention.why}")
         out += [f"  {s.signal}{_labels(s.labels)}: mean {s.mean:.2f} (min {s.min:.2f}, max {s.max:.2f})"
                 for s in self.sampled if s.signal.startswith(("gpu", "sm_"))]
         if self.contention is not None:
@@ -279,8 +304,7 @@ class Edge:
     tfprofd: frozenset[int]
 
 
-def read_edge(paths: HostPaths, roots: Iterable[int], agent_pid: int | None, now: float) -> Edge:
-    """Read one edge; raises ValueError when /proc/stat cannot be read."""
+def _read_host(paths: HostPaths) -> tuple[CpuTimes, int, dict[str, float]]:
     text = paths.read_proc("stat")
     if text is None:
         raise ValueError(f"cannot read {paths.procfs}/stat")
@@ -290,11 +314,11 @@ def read_edge(paths: HostPaths, roots: Iterable[int], agent_pid: int | None, now
         some = parse_pressure(paths.read_proc(f"pressure/{resource}") or "").get("some")
         if some is not None:
             psi[resource] = some
+    return cpu, cpus, psi
+
+
+def _read_processes(paths: HostPaths, names: Iterable[str]) -> dict[int, PidStat]:
     processes: dict[int, PidStat] = {}
-    try:
-        names = [n for n in os.listdir(paths.procfs) if n.isdigit()]
-    except OSError:
-        names = []
     for name in names:
         stat = paths.read_proc(f"{name}/stat")
         if stat:
@@ -302,9 +326,36 @@ def read_edge(paths: HostPaths, roots: Iterable[int], agent_pid: int | None, now
                 processes[int(name)] = parse_pid_stat(stat)
             except ValueError:
                 continue
+    return processes
+
+
+def read_edge(paths: HostPaths, roots: Iterable[int], agent_pid: int | None, now: float) -> Edge:
+    """Read one edge; raises ValueError when /proc/stat cannot be read."""
+    cpu, cpus, psi = _read_host(paths)
+    try:
+        names = [n for n in os.listdir(paths.procfs) if n.isdigit()]
+    except OSError:
+        names = []
+    processes = _read_processes(paths, names)
     parents = {pid: p.ppid for pid, p in processes.items()}
     job = frozenset(descendants(parents, roots))
     tfprofd = frozenset(descendants(parents, [agent_pid])) if agent_pid is not None else frozenset()
+    return Edge(now, cpu, cpus, psi, processes, _read_tasks(paths, job), job, tfprofd)
+
+
+def read_light_edge(paths: HostPaths, roots: Iterable[int], agent_pid: int | None, now: float) -> Edge:
+    """An edge of the job's reported processes (not their children) and the agent alone, without a scan of
+    every process: cheap enough to take every few seconds. ``measure`` between two of them has no top others.
+    Raises ValueError when /proc/stat cannot be read."""
+    cpu, cpus, psi = _read_host(paths)
+    processes = _read_processes(paths, {str(p) for p in [*roots, *([agent_pid] if agent_pid is not None else [])]})
+    job = frozenset(p for p in roots if p in processes and p != agent_pid)
+    tfprofd = frozenset([agent_pid]) if agent_pid in processes else frozenset()
+    return Edge(now, cpu, cpus, psi, processes, _read_tasks(paths, job), job, tfprofd)
+
+
+def _read_tasks(paths: HostPaths, job: Iterable[int]) -> dict[int, tuple[int, int]]:
+    """The job's threads: tid -> (ns run, ns waited on a run queue)."""
     tasks: dict[int, tuple[int, int]] = {}
     for pid in job:
         try:
@@ -318,7 +369,7 @@ def read_edge(paths: HostPaths, roots: Iterable[int], agent_pid: int | None, now
                     tasks[int(tid)] = parse_schedstat(sched)
                 except ValueError:
                     continue
-    return Edge(now, cpu, cpus, psi, processes, tasks, job, tfprofd)
+    return tasks
 
 
 def _ticks(before: Edge, after: Edge, pids: Iterable[int]) -> int:
@@ -333,8 +384,10 @@ def _ticks(before: Edge, after: Edge, pids: Iterable[int]) -> int:
     return total
 
 
-def measure(before: Edge, after: Edge, clock_ticks: int, job_visible: bool, note: str | None = None) -> HostContext:
-    """The host context between two edges (pure); ``contention`` filled when other processes starved the job."""
+def measure(before: Edge, after: Edge, clock_ticks: int, job_visible: bool, note: str | None = None,
+            span: str = "capture window") -> HostContext:
+    """The host context between two edges (pure); ``contention`` filled when other processes starved the job.
+    ``span`` names the interval between the edges in the contention's words."""
     seconds = after.monotonic - before.monotonic
     delta = CpuTimes(*(max(getattr(after.cpu, f) - getattr(before.cpu, f), 0)
                        for f in ("busy", "idle", "iowait", "steal")))
@@ -366,10 +419,10 @@ def measure(before: Edge, after: Edge, clock_ticks: int, job_visible: bool, note
     context = replace(context, job_cores=job, job_wait_cores=job_wait, job_processes=len(after.job),
                     job_threads=len(after.tasks), tfprofd_cores=tfprofd, other_cores=others,
                     top_others=[o for o in top if o.cores >= 0.05])
-    return replace(context, contention=contention(context))
+    return replace(context, contention=contention(context, span))
 
 
-def contention(c: HostContext) -> Contention | None:
+def contention(c: HostContext, span: str = "capture window") -> Contention | None:
     """Whether other processes starved the job in this window, with the numbers; None if they did not
     (or the job's run-queue wait could not be measured)."""
     if c.cpus is None or c.job_cores is None or c.job_wait_cores is None or c.other_cores is None:
@@ -388,8 +441,7 @@ def contention(c: HostContext) -> Contention | None:
     top = f"; most: {', '.join(f'{o.name} (pid {o.pid}) {o.cores:.1f}' for o in c.top_others)}" if c.top_others else ""
     why = (f"other processes used {others:.1f} of {c.cpus} CPUs{ours}; the job's threads were ready to run on "
            f"{wanted:.1f} CPUs but ran on {c.job_cores:.1f}, waiting for a CPU {waited:.0%} of the time they were "
-           f"ready (run-queue wait from /proc/<pid>/task/*/schedstat over the {c.seconds:.1f} s capture "
-           f"window){top}")
+           f"ready (run-queue wait from /proc/<pid>/task/*/schedstat over the {c.seconds:.1f} s {span}){top}")
     return Contention(round(wanted, 3), round(c.job_cores, 3), round(share, 3), why)
 
 
@@ -430,10 +482,13 @@ def join(trace: TraceVerdict, host: HostContext | None, rule: str | None = None)
     threads were ready to use every CPU of the host) and the wait is no larger than the share of that CPU it
     did not get: a pipeline starved of CPU. Otherwise it keeps its ``input`` verdict (or ``transfer``), with
     the contention noted beside it: a job whose threads want fewer CPUs than the host has also sleeps, and a
-    reader that sleeps on storage (the demo's injected bottleneck) is not explained by a CPU hog."""
-    if host is None or host.contention is None:
+    reader that sleeps on storage (the demo's injected bottleneck) is not explained by a CPU hog.
+
+    Contention over the span the rule measured counts as well as over the capture window: a rule judges the
+    recent past, and the load that made it fire may be gone once the capture starts."""
+    c = host.contended if host is not None else None
+    if c is None:
         return None
-    c = host.contention
     cpu_bound = trace.kind in ("host", "small_batch", "unknown") or (
         trace.kind == "device" and trace.hardware in ("CPU_ONLY", ""))
     starved_input = (trace.kind == "input" and trace.input_share is not None and trace.input_share <= c.lost_share
@@ -458,8 +513,8 @@ def apply(analysis: CaptureAnalysis, host: HostContext | None,
     if cause is not None:
         return replace(analysis, host_verdict=HostVerdict(cause.kind, cause.why, cause.recommendation),
                        summary=f"{cause.kind}: {cause.why}; the trace alone says {cause.trace_summary}"), cause
-    if host is not None and host.contention is not None:
-        return replace(analysis, summary=f"{analysis.summary}; the host was contended too: {host.contention.why}"
+    if host is not None and host.contended is not None:
+        return replace(analysis, summary=f"{analysis.summary}; the host was contended too: {host.contended.why}"
                                          f"{_fired(rule)}"), None
     return analysis, None
 
@@ -479,7 +534,8 @@ class Window:
 
 class HostMonitor:
     """Measures capture windows, and keeps the sampler's host series while one is open (nothing otherwise,
-    but the CPU's busy share of the last ``BEFORE_SECONDS``)."""
+    but the CPU's busy share of the last ``BEFORE_SECONDS`` and a light reading of each local job's threads
+    every ``RING_EVERY`` seconds over the last ``RING_KEEP``)."""
 
     def __init__(self, paths: HostPaths, jobs: JobRegistry, clock: Clock):
         self.paths = paths
@@ -489,6 +545,8 @@ class HostMonitor:
         self._open = 0
         self._series: deque[tuple[float, str, Snapshot]] = deque()
         self._cpu: deque[tuple[float, float, float]] = deque()  # (monotonic, busy, iowait)
+        self._ring: dict[str, deque[Edge]] = {}  # job -> light edges, oldest first
+        self._ring_at: float | None = None
         self._lock = threading.Lock()
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
@@ -504,6 +562,44 @@ class HostMonitor:
                     self._cpu.popleft()
             if self._open:
                 self._series.append((snapshot.monotonic, snapshot.collector, snapshot))
+            due = snapshot.collector == "cpu" and (self._ring_at is None
+                                                   or snapshot.monotonic - self._ring_at >= RING_EVERY)
+            if due:
+                self._ring_at = snapshot.monotonic
+        if due:
+            self._read_ring(snapshot.monotonic)
+
+    def _local_roots(self) -> dict[str, list[int]]:
+        """The jobs whose processes reported over the local socket (the kernel vouched for their pids), at most
+        ``RING_JOBS`` of them."""
+        roots: dict[str, list[int]] = {}
+        for job in sorted(self.jobs.jobs()):
+            pids = sorted(p.pid for p in self.jobs.processes(job) if p.local)
+            if pids:
+                roots[job] = pids
+            if len(roots) == RING_JOBS:
+                break
+        return roots
+
+    def _read_ring(self, now: float) -> None:
+        """One light reading per local job; a job whose processes changed starts its ring anew."""
+        agent = self._agent_pid()
+        edges: dict[str, Edge] = {}
+        for job, pids in self._local_roots().items():
+            try:
+                edges[job] = read_light_edge(self.paths, pids, agent, now)
+            except ValueError:
+                continue
+        with self._lock:
+            for job in [j for j in self._ring if j not in edges]:
+                del self._ring[job]
+            for job, edge in edges.items():
+                ring = self._ring.setdefault(job, deque())
+                if ring and ring[-1].job != edge.job:
+                    ring.clear()
+                ring.append(edge)
+                while ring and ring[0].monotonic < now - RING_KEEP:
+                    ring.popleft()
 
     def _agent_pid(self) -> int | None:
         try:  # the agent's pid as the procfs it reads numbers it (/host/proc in a container)
@@ -579,16 +675,31 @@ class HostMonitor:
                 context = replace(context, note=str(exc))
         return replace(context, sampled=summarise(taken), before=before)
 
-    def load_before(self) -> HostLoad | None:
-        """The CPUs' busy and iowait shares over the last ``BEFORE_SECONDS`` as the sampler saw them."""
+    def load_before(self, job: str | None = None, lookback: float | None = None) -> HostLoad | None:
+        """The CPUs' busy and iowait shares over the last ``BEFORE_SECONDS`` as the sampler saw them, and, for a
+        local ``job``, whether other processes starved it over the last ``lookback`` seconds (the span its rule
+        measured): from the newest light reading at least that old (the oldest kept if none is) to now."""
         with self._lock:
             samples = list(self._cpu)
+            ring = list(self._ring.get(job, ())) if job is not None else []
         if not samples:
             return None
         import statistics  # at a capture only (it loads fractions and decimal: 0.5 MB resident all the time)
 
-        return HostLoad(round(samples[-1][0] - samples[0][0], 1), statistics.fmean(s[1] for s in samples),
+        load = HostLoad(round(samples[-1][0] - samples[0][0], 1), statistics.fmean(s[1] for s in samples),
                         statistics.fmean(s[2] for s in samples))
+        if not ring or not lookback:
+            return load
+        now = self.clock.monotonic()
+        first = next((e for e in reversed(ring) if e.monotonic <= now - lookback), ring[0])
+        try:
+            last = read_light_edge(self.paths, sorted(first.job), self._agent_pid(), now)
+        except ValueError:
+            return load
+        if last.monotonic - first.monotonic < RING_EVERY / 2:
+            return load  # too short a span to say anything
+        span = measure(first, last, self.clock_ticks, True, span="span before the capture that its rule measured")
+        return replace(load, lookback=round(span.seconds, 1), contention=span.contention)
 
 
 def summarise(taken: list[tuple[float, str, Snapshot]]) -> list[SeriesSummary]:

@@ -122,11 +122,18 @@ def on_transition(t: Transition, captures: CaptureService, on_pending: bool, int
     if t.kind in (PENDING, FIRING):
         try:
             captures.request("rule", t.labels.get("training_job"), t.labels.get("gpu"), rule=t.rule.name,
-                             cooldown=t.rule.cooldown, pending=entry)
+                             cooldown=t.rule.cooldown, pending=entry, lookback=lookback(t, interval))
         except DomainError as exc:
             if entry is not None:
                 captures.pending.clear(key)  # nothing waits on it: the firing captures the usual way
             log.info("rule %s: no capture: %s", t.rule.name, exc.reason)
+
+
+def lookback(t: Transition, interval: float) -> float:
+    """The seconds of the past a rule had measured when it went pending or fired: its primary condition's window
+    (one sample for a plain reading), and its ``for`` once firing."""
+    span = max(t.rule.conditions[0].window, interval)
+    return span + (t.rule.for_seconds if t.kind == FIRING else 0.0)
 
 
 # ---- running one ----

@@ -196,6 +196,9 @@ class _Registry:
     def processes(self, job):
         return self.listed
 
+    def jobs(self):
+        return {p.job for p in self.listed}
+
 
 def test_a_window_on_a_procfs_without_stat_says_why_and_keeps_no_samples(tmp_path):
     from tfprofd.daemon.hostcontext import HostMonitor
@@ -219,3 +222,76 @@ def test_a_udp_pid_that_does_not_hold_the_profiler_port_is_not_the_job(tmp_path)
     monitor = HostMonitor(HostPaths(EDGES / "after"), _Registry(reported), Clock())
     context = monitor.close(monitor.open("j"))
     assert context.job_cores is None and "could not be matched to a process here" in context.note
+
+
+class _ManualClock(Clock):
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _host_at(proc: Path, busy: int, idle: int, job_run_s: float, job_wait_s: float) -> None:
+    """A 2-CPU procfs: the host's CPU ticks so far and the job's two threads' schedstat (split evenly)."""
+    (proc / "stat").write_text(f"cpu  {busy} 0 0 {idle} 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0\ncpu1 0 0 0 0 0 0 0 0\n")
+    (proc / str(JOB)).mkdir(exist_ok=True)
+    (proc / str(JOB) / "stat").write_text(f"{JOB} (python3) S 1 {JOB} {JOB} 0 -1 0 0 0 0 0 "
+                                          f"{int(job_run_s * 100)} 0 0 0 20 0 2 0 1 0 0\n")
+    for tid in (JOB, JOB + 1):
+        (proc / str(JOB) / "task" / str(tid)).mkdir(parents=True, exist_ok=True)
+        (proc / str(JOB) / "task" / str(tid) / "schedstat").write_text(
+            f"{int(job_run_s / 2 * 1e9)} {int(job_wait_s / 2 * 1e9)} 1\n")
+
+
+def test_a_rule_that_fired_on_load_gone_by_the_capture_says_the_host_was_contended(tmp_path):
+    """Issue 24: a CPU hog starved the job over the 20 s the rule measured, then stopped; the capture's own
+    window is quiet. The record must still say the host was contended, not blame the job's compute."""
+    from tfprofd.daemon.hostcontext import HostMonitor
+    from tfprofd.daemon.sampler import Snapshot
+    from tfprofd.exporter.training import ProcessView
+
+    clock = _ManualClock()
+    local = ProcessView("j", "0", JOB, True, "train", True, "127.0.0.1:6009")
+    monitor = HostMonitor(HostPaths(tmp_path), _Registry(local), clock)
+
+    def sample(busy: int, idle: int, run: float, wait: float) -> None:
+        _host_at(tmp_path, busy, idle, run, wait)
+        monitor.on_snapshot(Snapshot("cpu", 0.0, clock.now, True, 0.0, {"cpu_utilization": [({}, 1.0)],
+                                                                       "cpu_iowait": [({}, 0.0)]}, (), list))
+
+    # 20 s, both CPUs busy: the job ran on 0.8 of them and waited for a CPU on 2.4 (a hog took 1.2)
+    for second in range(0, 21):
+        clock.now = float(second)
+        sample(busy=second * 200, idle=0, run=0.8 * second, wait=2.4 * second)
+    before = monitor.load_before("j", lookback=20.0)
+    assert before is not None and before.contention is not None, before
+    assert before.lookback == 20.0 and before.contention.got_cores == 0.8
+    assert "other processes used 1.2 of 2 CPUs" in before.contention.why
+    assert "span before the capture that its rule measured" in before.contention.why
+
+    # the hog stopped: over the 4 s capture window the job has the CPUs to itself (its own threads queue)
+    window = monitor.open("j")
+    clock.now = 24.0
+    sample(busy=4000 + 800, idle=0, run=16 + 4 * 1.95, wait=48 + 4 * 0.5)
+    host = monitor.close(window, before)
+    assert host.contention is None and host.contended == before.contention
+
+    record = CaptureRecord(id="20260101T000000Z-abcdef", trigger="rule", job="j", targets=[], requested_at=1.0,
+                           duration_ms=4000, mode="agent", rule="step_time_outlier", host=host)
+    stored = CaptureRecord.from_dict(json.loads(json.dumps(record.public())))  # as the API serves it
+    assert stored.host == host
+    analysis = CaptureAnalysis.from_json({"bottleneck": "device", "summary": "device: compute-bound",
+                                          "hardware": "CPU_ONLY"})
+    joined, cause = apply(analysis, stored.host, rule="step_time_outlier")
+    assert cause is not None and joined.bottleneck == "host_contention"
+    assert joined.summary.startswith("host_contention: other processes used 1.2 of 2 CPUs")
+    assert "(rule step_time_outlier fired while the host was contended)" in joined.summary
+    assert "contended before the capture: other processes used 1.2" in "\n".join(stored.host.lines())
+
+    # a job left alone over the rule's span is not called contended
+    for second in range(25, 46):
+        clock.now = float(second)
+        sample(busy=4800 + (second - 24) * 200, idle=0, run=23.8 + (second - 24) * 1.95,
+               wait=50 + (second - 24) * 0.5)
+    assert monitor.load_before("j", lookback=20.0).contention is None
