@@ -269,10 +269,10 @@ class CaptureService:
             if comparison is not None:
                 result = with_comparison(result, replace(comparison, baseline_id=base.id))
         result, cause = apply(result, record.host, record.rule)  # the trace's verdict joined with the host's
-        if cause is not None and record.rule and self.policy.forgive(
-                record.rule, frozenset(t["address"] for t in record.targets)):
-            log.info("capture %s found host contention: rule %s's cooldown for job %s is lifted", record.id,
-                     record.rule, record.job)
+        if cause is not None and record.rule:
+            lifted = self.policy.forgive(record.rule, frozenset(t["address"] for t in record.targets))
+            log.info("capture %s found host contention: rule %s's cooldown for job %s %s", record.id, record.rule,
+                     record.job, "is lifted" if lifted else "stands (lifted once already within it)")
         record.status, record.analysis = "done", result
         log.info("capture %s analysed: job=%s %s", record.id, record.job, result.summary)
 

@@ -45,6 +45,7 @@ class CapturePolicy:
         self._busy: set[str] = set()
         self._started: deque[float] = deque()
         self._cooldown_until: dict[tuple[str, frozenset[str]], float] = {}
+        self._lifted_until: dict[tuple[str, frozenset[str]], float] = {}  # a lifted cooldown's own end
         self._held_until: dict[str, float] = {}  # job -> monotonic end of its hold
         self._lock = threading.Lock()
         self._alerts_path = alerts_path
@@ -97,10 +98,21 @@ class CapturePolicy:
 
     def forgive(self, rule: str, addresses: frozenset[str]) -> bool:
         """Lift the cooldown a rule's capture booked: it found other processes starving the job (host
-        contention), not the job's own cause, which the rule may capture when it next fires. The hourly budget
-        still bounds how many captures a contended host gets. Whether a cooldown was running."""
+        contention), not the job's own cause, which the rule may capture when it next fires. Once per cooldown:
+        a second contended capture within the span of the lifted one keeps its cooldown, so a host that stays
+        busy gets at most two captures a cooldown from the rule, and noise cannot spend the hourly budget that
+        the other rules share. Whether a cooldown was lifted."""
+        key = (rule, addresses)
+        now = self.clock.monotonic()
         with self._lock:
-            return self._cooldown_until.pop((rule, addresses), None) is not None
+            self._lifted_until = {k: t for k, t in self._lifted_until.items() if t > now}
+            if key in self._lifted_until:
+                return False
+            until = self._cooldown_until.pop(key, None)
+            if until is None:
+                return False
+            self._lifted_until[key] = until
+            return True
 
     def hold(self, job: str, seconds: float) -> None:
         """No automatic capture of ``job`` for ``seconds`` (a process of it died during a capture)."""

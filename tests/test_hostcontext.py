@@ -189,6 +189,35 @@ def test_a_contended_capture_gives_its_rule_cooldown_back(tmp_path: Path):
     assert not policy.forgive("other_rule", admission.addresses)
 
 
+
+class _Clock(Clock):
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_host_that_stays_busy_gets_the_cooldown_lifted_once_per_cooldown(tmp_path: Path):
+    clock = _Clock()
+    policy = CapturePolicy(clock, tmp_path / "alerts.json")
+    targets = [Target("j", "0", "127.0.0.1:6009")]
+
+    def contended_capture() -> bool:
+        admission = policy.admit(targets, None, rule="step_time_outlier", cooldown=1800)
+        policy.release(admission)
+        return policy.forgive("step_time_outlier", admission.addresses)
+
+    assert contended_capture()  # lifted: the rule may capture the job's own cause when it next fires
+    clock.now += 60
+    assert not contended_capture()  # contended again within the lifted cooldown: this one stands
+    clock.now += 60
+    with pytest.raises(Exception, match="cooldown"):
+        policy.admit(targets, None, rule="step_time_outlier", cooldown=1800)
+    clock.now += 1800
+    assert contended_capture()  # a new cooldown, a new lift
+
+
 class _Registry:
     def __init__(self, *processes):
         self.listed = list(processes)
