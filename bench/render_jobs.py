@@ -29,10 +29,13 @@ import time
 from tfprofd.daemon.config import load_rules_file
 from tfprofd.daemon.exposition import OPENMETRICS, TEXT, render, render_library
 from tfprofd.daemon.rules import DEFAULT_RULES, Engine, History
-from tfprofd.exporter.base import Clock, Environment, Sectioned
+from tfprofd.exporter.base import Environment, Sectioned
 from tfprofd.exporter.hook import Reporter
 from tfprofd.exporter.registry import signal_catalog
 from tfprofd.exporter.training import HookSettings, Sender, TrainingCollector, UdpTable, identify_udp_sender
+
+import common  # noqa: F401  (puts tests/ on the path)
+from helpers import FakeClock
 
 QUICK = "--quick" in sys.argv
 JOBS = 20 if QUICK else 1000
@@ -40,19 +43,8 @@ ROUNDS = 2 if QUICK else 9
 BATCH = 256
 
 
-class Ticking(Clock):
-    def __init__(self) -> None:
-        self.wall, self.mono = 1_800_000_000.0, 5_000.0
-
-    def time(self) -> float:
-        return self.wall
-
-    def monotonic(self) -> float:
-        return self.mono
-
-
 def main() -> None:
-    clock = Ticking()
+    clock = FakeClock()
     collector = TrainingCollector(HookSettings(socket="", listen=None), Environment(clock=clock))
     reporters = [Reporter(job=f"job{i:04d}", worker="0", profiler=False, addr="127.0.0.1:9") for i in range(JOBS)]
     for r in reporters:
@@ -161,9 +153,9 @@ def main() -> None:
           f"it slides {us['slid']:.1f} µs: {us['afresh'] / us['slid']:.1f}x (the same medians; a job has two)")
     print(f"  validate and apply a report {us['receive']:.1f} µs; freeze a job at a sample {us['sample']:.1f} µs; "
           f"evaluate the default rules on a job's signals {us['rules']:.1f} µs")
-    common = us["receive"] + us["sample"] + us["rules"]
-    per_second = (us["hand"] + us["per_batch"] + us["kept"] + common) * JOBS / 1e6
-    was = (us["library"] + us["per_report"] + us["relabelled"] + common) * JOBS / 1e6
+    shared = us["receive"] + us["sample"] + us["rules"]
+    per_second = (us["hand"] + us["per_batch"] + us["kept"] + shared) * JOBS / 1e6
+    was = (us["library"] + us["per_report"] + us["relabelled"] + shared) * JOBS / 1e6
     print(f"  the collector's work for {JOBS} jobs a second: {per_second * 100:.2f}% of a core (was "
           f"{was * 100:.2f}%: more than a core is an agent that falls behind); after 10 minutes, two baselines a "
           f"job: +{2 * us['slid'] * JOBS / 1e4:.2f}% (was +{2 * us['afresh'] * JOBS / 1e4:.2f}%)")

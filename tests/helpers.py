@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tfprofd.exporter.base import Clock
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 FAKENVML = TESTS / "fakenvml"
@@ -369,3 +371,16 @@ scrape_configs:{scrape_configs}
                      f"--web.listen-address=127.0.0.1:{port}"],
                     f"http://127.0.0.1:{port}/-/ready", tmp / "prometheus.log")
     return server, port
+
+
+class FakeClock(Clock):
+    """Wall time and monotonic time that a test moves separately (an NTP step moves only wall time)."""
+
+    def __init__(self) -> None:
+        self.wall, self.mono = 1_800_000_000.0, 5_000.0
+
+    def time(self) -> float:
+        return self.wall
+
+    def monotonic(self) -> float:
+        return self.mono

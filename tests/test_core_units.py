@@ -21,21 +21,7 @@ from tfprofd.daemon.sampler import WAKE_RATE, CollectorRunner
 from tfprofd.daemon.workers import Outcome
 from tfprofd.exporter.base import Clock, Collector, Environment
 
-from helpers import wait_for
-
-
-class FakeClock(Clock):
-    """Wall time and monotonic time that a test moves separately (an NTP step moves only wall time)."""
-
-    def __init__(self) -> None:
-        self.wall, self.mono = 1_800_000_000.0, 5_000.0
-
-    def time(self) -> float:
-        return self.wall
-
-    def monotonic(self) -> float:
-        return self.mono
-
+from helpers import FakeClock, wait_for
 
 GPU1 = [Target("a", "0", "127.0.0.1:1111")]
 GPU2 = [Target("b", "0", "127.0.0.1:2222")]

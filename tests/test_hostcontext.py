@@ -29,7 +29,7 @@ from tfprofd.daemon.policy import CapturePolicy
 from tfprofd.daemon.records import CaptureRecord
 from tfprofd.exporter.base import Clock, HostPaths
 
-from helpers import FIXTURES
+from helpers import FIXTURES, FakeClock
 
 EDGES = FIXTURES / "hostcontext"
 JOB, AGENT = 100, 200
@@ -190,16 +190,8 @@ def test_a_contended_capture_gives_its_rule_cooldown_back(tmp_path: Path):
 
 
 
-class _Clock(Clock):
-    def __init__(self):
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-
 def test_a_host_that_stays_busy_gets_the_cooldown_lifted_once_per_cooldown(tmp_path: Path):
-    clock = _Clock()
+    clock = FakeClock()
     policy = CapturePolicy(clock, tmp_path / "alerts.json")
     targets = [Target("j", "0", "127.0.0.1:6009")]
 
@@ -209,12 +201,12 @@ def test_a_host_that_stays_busy_gets_the_cooldown_lifted_once_per_cooldown(tmp_p
         return policy.forgive("step_time_outlier", admission.addresses)
 
     assert contended_capture()  # lifted: the rule may capture the job's own cause when it next fires
-    clock.now += 60
+    clock.mono += 60
     assert not contended_capture()  # contended again within the lifted cooldown: this one stands
-    clock.now += 60
+    clock.mono += 60
     with pytest.raises(Exception, match="cooldown"):
         policy.admit(targets, None, rule="step_time_outlier", cooldown=1800)
-    clock.now += 1800
+    clock.mono += 1800
     assert contended_capture()  # a new cooldown, a new lift
 
 
