@@ -270,33 +270,50 @@ def parse_proc_net(text: str, port: int | None = None) -> list[ProcSocket]:
 
 
 class UdpTable:
-    """The agent's network namespace's UDP sockets (/proc/self/net/udp and udp6), read once, on first use,
-    and indexed by local port: a batch of datagrams drained from the socket shares one read. With a thousand
-    reporting sockets a read costs about 2 ms, so reading it for every report cost more than a core at
-    1,000 reports a second (issue 24). It is read after the batch was received, as a per-report read was
-    after its report."""
+    """The agent's network namespace's UDP sockets (/proc/self/net/udp and udp6), indexed by local port: a
+    batch of datagrams drained from the socket shares one read. With a thousand reporting sockets a read costs
+    about 2 ms, so reading it for every report cost more than a core at 1,000 reports a second (issue 24).
+
+    The batch's first datagrams are handled as soon as they are in, and more are gathered after them to share
+    the read: a job that sends its last report and exits closes its socket (and its profiler's) at once, and a
+    read after the gathering missed it. A datagram gathered after the read from a port it does not list (a
+    socket opened since) gets one more read, made after it was received."""
 
     def __init__(self, own_proc: Path = OWN_PROC):
         self._own_proc = own_proc
-        self._lines: dict[int, list[str]] | None = None
+        self._reads: list[dict[int, list[str]]] = []
+        self._primed = False
+
+    def received_more(self) -> None:
+        """More datagrams were received since the table was read: a port it does not list is read again."""
+        self._primed = bool(self._reads)
 
     def on_port(self, port: int) -> list[ProcSocket]:
-        if self._lines is None:
-            self._lines = {}
-            for name in ("self/net/udp", "self/net/udp6"):
-                try:
-                    text = (self._own_proc / name).read_text()
-                except (OSError, UnicodeDecodeError):
-                    continue  # no IPv6 on this kernel
-                for line in text.splitlines()[1:]:
-                    local = line.split(None, 2)[1:2]
-                    try:
-                        key = int(local[0].rpartition(":")[2], 16) if local else -1
-                    except ValueError:
-                        continue
-                    self._lines.setdefault(key, []).append(line)
-        found = (_parse_socket_line(line) for line in self._lines.get(port, ()))
+        if not self._reads:
+            self._reads.append(self._read())
+        lines = self._reads[0].get(port, [])
+        if not lines and self._primed:
+            if len(self._reads) == 1:
+                self._reads.append(self._read())
+            lines = self._reads[1].get(port, [])
+        found = (_parse_socket_line(line) for line in lines)
         return [s for s in found if s is not None and s.port == port]
+
+    def _read(self) -> dict[int, list[str]]:
+        lines: dict[int, list[str]] = {}
+        for name in ("self/net/udp", "self/net/udp6"):
+            try:
+                text = (self._own_proc / name).read_text()
+            except (OSError, UnicodeDecodeError):
+                continue  # no IPv6 on this kernel
+            for line in text.splitlines()[1:]:
+                local = line.split(None, 2)[1:2]
+                try:
+                    key = int(local[0].rpartition(":")[2], 16) if local else -1
+                except ValueError:
+                    continue
+                lines.setdefault(key, []).append(line)
+        return lines
 
 
 def _reaches(bound: Address, target: Address) -> bool:
@@ -677,13 +694,16 @@ class TrainingCollector(Collector):
                 batch = self._drain(sock, 256)  # at most this many, so the stop flag is seen under a flood
                 if batch is None:
                     return
-                if sock.family != socket.AF_UNIX and batch:
-                    batch = self._gather(sock, batch)
-                    if batch is None:
-                        return
-                table = UdpTable()  # read once for the batch, after it was received, if a UDP report needs it
-                for payload, sender in batch:
+                table = UdpTable()  # read once for the batch, when its first UDP report needs it
+                for payload, sender in batch:  # at once: a job's last report comes as it exits
                     self.receive(payload, sender, table)
+                if sock.family != socket.AF_UNIX and batch:
+                    more = self._gather(sock, [])
+                    if more is None:
+                        return
+                    table.received_more()
+                    for payload, sender in more:
+                        self.receive(payload, sender, table)
 
     def _drain(self, sock: socket.socket, limit: int) -> list[tuple[bytes, Sender]] | None:
         """Up to ``limit`` datagrams waiting on the socket; None once the collector is closing."""

@@ -29,6 +29,8 @@ from tfprofd.exporter.training import (
     _Row,
 )
 
+from helpers import wait_for
+
 HOSTILE = ['a"b', "back\\slash", "new\nline", 'all "\\\n" three', "ünïcödé ✓ 日本", "", "\\n", '"', "\\",
            "x" * 1000, ('"\\\n' * 334)[:1000], "{}=,# EOF", "\t tab and spaces "]
 NUMBERS = [0, 1, 7, 999_999, 1_000_000, 1_234_567, 2**53, -1, -(10**15), -(10**15) - 1, 10**16,
@@ -236,3 +238,22 @@ def test_a_family_kept_from_the_last_rendering_is_written_again_only_while_it_is
         body = render(second, fmt, None, labels, kept)
         assert body == render_library(second, fmt) and b" 0.0\n" not in body
     assert render([], TEXT, None, labels, kept) == b"" and kept == {}  # families that are gone are dropped
+
+
+def test_a_report_is_handled_at_once_not_after_the_gathering(monkeypatch):
+    """A job's last report comes as it exits, and its sockets (the report's, its profiler's) close with it: the
+    first reports of a burst are checked against the socket tables at once, and only later ones wait to share
+    that read (handled after a gathering, every short job's final report was refused: its sender was gone)."""
+    import tfprofd.exporter.training as training
+
+    monkeypatch.setattr(training, "UDP_GATHER_SECONDS", 600.0)  # a gathering that outlasts the test
+    collector = TrainingCollector(HookSettings(socket="", listen=("127.0.0.1", 0)), Environment())
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(json.dumps(Reporter(job="short", worker="0", profiler=False, addr="127.0.0.1:9").report())
+                     .encode(), collector.udp_address)
+            wait_for(lambda: collector.accepted + sum(collector.rejected.values()) == 1, 60,
+                     message="the report to be handled before the gathering ends")
+        assert collector.accepted == 1, {k: v for k, v in collector.rejected.items() if v}
+    finally:
+        collector.close()
