@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -122,9 +122,10 @@ class JobRecord:
     first_start_at: float | None = None  # when the first worker's profiling was asked to start (Unix time)
 
     def public(self) -> dict[str, Any]:
-        out = asdict(self)
-        if self.comparison is not None:
-            out["comparison"]["comparison"] = self.comparison.comparison.to_json()
+        comparison = self.comparison  # read once: the job's thread may set it meanwhile
+        out = asdict(replace(self, comparison=comparison))
+        if comparison is not None:
+            out["comparison"]["comparison"] = comparison.comparison.to_json()
         return out
 
     @classmethod

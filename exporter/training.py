@@ -274,29 +274,23 @@ class UdpTable:
     batch of datagrams drained from the socket shares one read. With a thousand reporting sockets a read costs
     about 2 ms, so reading it for every report cost more than a core at 1,000 reports a second (issue 24).
 
-    The batch's first datagrams are handled as soon as they are in, and more are gathered after them to share
-    the read: a job that sends its last report and exits closes its socket (and its profiler's) at once, and a
-    read after the gathering missed it. A datagram gathered after the read from a port it does not list (a
-    socket opened since) gets one more read, made after it was received."""
+    A read is always made after the datagrams it vouches for were received (a socket listed before a datagram
+    came may have closed, and its port been bound by someone else, by then). The batch's first datagrams are
+    handled as soon as they are in, since a job's last report comes as it exits and its sockets close with it;
+    those gathered after them (``received_more``) share one more read."""
 
     def __init__(self, own_proc: Path = OWN_PROC):
         self._own_proc = own_proc
-        self._reads: list[dict[int, list[str]]] = []
-        self._primed = False
+        self._lines: dict[int, list[str]] | None = None
 
     def received_more(self) -> None:
-        """More datagrams were received since the table was read: a port it does not list is read again."""
-        self._primed = bool(self._reads)
+        """More datagrams were received since the table was read: the next lookup reads it again."""
+        self._lines = None
 
     def on_port(self, port: int) -> list[ProcSocket]:
-        if not self._reads:
-            self._reads.append(self._read())
-        lines = self._reads[0].get(port, [])
-        if not lines and self._primed:
-            if len(self._reads) == 1:
-                self._reads.append(self._read())
-            lines = self._reads[1].get(port, [])
-        found = (_parse_socket_line(line) for line in lines)
+        if self._lines is None:
+            self._lines = self._read()
+        found = (_parse_socket_line(line) for line in self._lines.get(port, ()))
         return [s for s in found if s is not None and s.port == port]
 
     def _read(self) -> dict[int, list[str]]:
@@ -699,7 +693,7 @@ class TrainingCollector(Collector):
                     self.receive(payload, sender, table)
                 if sock.family != socket.AF_UNIX and batch:
                     more = self._gather(sock, [])
-                    if more is None:
+                    if more is None or self._stop.is_set():
                         return
                     table.received_more()
                     for payload, sender in more:

@@ -257,3 +257,16 @@ def test_a_report_is_handled_at_once_not_after_the_gathering(monkeypatch):
         assert collector.accepted == 1, {k: v for k, v in collector.rejected.items() if v}
     finally:
         collector.close()
+
+
+def test_reports_gathered_after_a_read_are_checked_against_a_later_one():
+    """A socket the table listed may close before a gathered datagram comes, and its port be bound by another
+    user to send a forged report: what came after a read is never vouched for by it."""
+    victim = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    victim.bind(("127.0.0.1", 0))
+    port = victim.getsockname()[1]
+    table = UdpTable()
+    assert [s.uid for s in table.on_port(port)] == [os.geteuid()]  # the burst's first report, from the victim
+    victim.close()  # the victim's job exits; its port is free for anyone to bind
+    table.received_more()
+    assert table.on_port(port) == []  # a datagram gathered since from that port is not the victim's
