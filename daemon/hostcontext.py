@@ -344,14 +344,36 @@ def read_edge(paths: HostPaths, roots: Iterable[int], agent_pid: int | None, now
 
 
 def read_light_edge(paths: HostPaths, roots: Iterable[int], agent_pid: int | None, now: float) -> Edge:
-    """An edge of the job's reported processes (not their children) and the agent alone, without a scan of
-    every process: cheap enough to take every few seconds. ``measure`` between two of them has no top others.
-    Raises ValueError when /proc/stat cannot be read."""
+    """An edge of the job's reported processes and the agent, each with its children (from
+    ``/proc/<pid>/task/<tid>/children``: a job's data-loading workers are its own, the agent's capture workers
+    are tfprofd's), without a scan of every process: cheap enough to take every few seconds. ``measure``
+    between two of them has no top others. Raises ValueError when /proc/stat cannot be read."""
     cpu, cpus, psi = _read_host(paths)
-    processes = _read_processes(paths, {str(p) for p in [*roots, *([agent_pid] if agent_pid is not None else [])]})
-    job = frozenset(p for p in roots if p in processes and p != agent_pid)
-    tfprofd = frozenset([agent_pid]) if agent_pid in processes else frozenset()
+    tfprofd_pids = _family(paths, [agent_pid]) if agent_pid is not None else set()
+    job_pids = _family(paths, [p for p in roots if p != agent_pid]) - tfprofd_pids
+    processes = _read_processes(paths, {str(p) for p in job_pids | tfprofd_pids})
+    job = frozenset(p for p in job_pids if p in processes)
+    tfprofd = frozenset(p for p in tfprofd_pids if p in processes)
     return Edge(now, cpu, cpus, psi, processes, _read_tasks(paths, job), job, tfprofd)
+
+
+def _family(paths: HostPaths, roots: Iterable[int], most: int = 1024) -> set[int]:
+    """The roots and their descendants as the kernel lists each thread's children (at most ``most``)."""
+    out: set[int] = set()
+    todo = list(roots)
+    while todo and len(out) < most:
+        pid = todo.pop()
+        if pid in out:
+            continue
+        out.add(pid)
+        try:
+            tids = os.listdir(paths.procfs / str(pid) / "task")
+        except OSError:
+            continue
+        for tid in tids:
+            text = paths.read_proc(f"{pid}/task/{tid}/children") or ""
+            todo.extend(int(c) for c in text.split() if c.isdigit())
+    return out
 
 
 def _read_tasks(paths: HostPaths, job: Iterable[int]) -> dict[int, tuple[int, int]]:

@@ -316,3 +316,22 @@ def test_a_rule_that_fired_on_load_gone_by_the_capture_says_the_host_was_contend
         sample(busy=4800 + (second - 24) * 200, idle=0, run=23.8 + (second - 24) * 1.95,
                wait=50 + (second - 24) * 0.5)
     assert monitor.load_before("j", lookback=20.0).contention is None
+
+
+def test_a_jobs_child_processes_are_its_own_in_the_light_readings(tmp_path):
+    """A job whose data-loading workers are child processes: their CPU is the job's, not other processes' (the
+    light readings of a rule's span read only the reported pids, and called the job's own workers neighbours)."""
+    from tfprofd.daemon.hostcontext import read_light_edge
+
+    def at(now: float, busy: int, root_s: float, child_s: float):
+        _host_at(tmp_path, busy, int(now * 200) - busy, root_s, 0.1 * now)
+        (tmp_path / str(JOB) / "task" / str(JOB) / "children").write_text("300 ")
+        (tmp_path / "300" / "task" / "300").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "300" / "stat").write_text(f"300 (loader) R {JOB} 300 300 0 -1 0 0 0 0 0 {int(child_s * 100)} "
+                                               "0 0 0 20 0 1 0 1 0 0\n")
+        (tmp_path / "300" / "task" / "300" / "schedstat").write_text(f"{int(child_s * 1e9)} 0 1\n")
+        return read_light_edge(HostPaths(tmp_path), [JOB], None, now=now)
+
+    context = measure(at(0.0, 0, 0.0, 0.0), at(10.0, 1900, 4.0, 15.0), clock_ticks=100, job_visible=True)
+    assert context.job_cores == pytest.approx(1.9) and context.other_cores == pytest.approx(0.0, abs=0.01)
+    assert context.contention is None
