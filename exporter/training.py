@@ -59,6 +59,7 @@ FOLDED_KEPT = 64  # processes per job whose counters were folded in, remembered 
 NEW_JOB_LOGS_PER_MINUTE = 20
 REFUSED_LOGS_PER_MINUTE = 20
 UDP_GATHER_SECONDS = 0.25  # a UDP report waits at most this long for others to share its socket-table read
+UDP_GATHER_RATE = 100.0  # UDP reports a second from which they are gathered (below it, each burst is read alone)
 UDP_BATCH = 1024  # datagrams at most in one batch
 UDP_BATCH_BYTES = 1 << 20  # and bytes (a flood of 64 KiB datagrams holds no more than the socket's buffer)
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -267,6 +268,20 @@ def parse_proc_net(text: str, port: int | None = None) -> list[ProcSocket]:
         if found is not None and (port is None or found.port == port):
             sockets.append(found)
     return sockets
+
+
+class _Rate:
+    """Events a second over the last whole second (the current one's count until a second has passed)."""
+
+    def __init__(self) -> None:
+        self._start, self._count, self._last = time.monotonic(), 0, 0.0
+
+    def add(self, count: int) -> float:
+        now = time.monotonic()
+        self._count += count
+        if now - self._start >= 1.0:
+            self._last, self._start, self._count = self._count / (now - self._start), now, 0
+        return max(self._last, float(self._count))
 
 
 class UdpTable:
@@ -682,6 +697,7 @@ class TrainingCollector(Collector):
             log.exception("the hook listener thread died; training reports are no longer received")
 
     def _receive_loop(self) -> None:
+        rate = _Rate()
         while not self._stop.is_set():
             for key, _ in self._selector.select(timeout=0.2):
                 sock: socket.socket = key.fileobj  # type: ignore[assignment]
@@ -691,10 +707,12 @@ class TrainingCollector(Collector):
                 table = UdpTable()  # read once for the batch, when its first UDP report needs it
                 for payload, sender in batch:  # at once: a job's last report comes as it exits
                     self.receive(payload, sender, table)
-                if sock.family != socket.AF_UNIX and batch:
+                udp = sock.family != socket.AF_UNIX
+                if udp and batch and rate.add(len(batch)) >= UDP_GATHER_RATE:
                     more = self._gather(sock, [])
                     if more is None or self._stop.is_set():
                         return
+                    rate.add(len(more))
                     table.received_more()
                     for payload, sender in more:
                         self.receive(payload, sender, table)
@@ -714,9 +732,12 @@ class TrainingCollector(Collector):
         return batch
 
     def _gather(self, sock: socket.socket, batch: list[tuple[bytes, Sender]]) -> list[tuple[bytes, Sender]] | None:
-        """More UDP datagrams for ``UDP_GATHER_SECONDS`` after the first: 1,000 jobs report at their own
-        phases, so draining alone left batches of a few datagrams and a 2 ms read of the socket table for each
-        (13% of a core). Reports wait at most that long; the sampler reads them once an interval anyway."""
+        """More UDP datagrams for ``UDP_GATHER_SECONDS`` after the first, from ``UDP_GATHER_RATE`` reports a
+        second: 1,000 jobs report at their own phases, so draining alone left batches of a few datagrams and a
+        2 ms read of the socket table for each (13% of a core). Reports wait at most that long; the sampler
+        reads them once an interval anyway. The price: a job's last report gathered after its process exited
+        (its socket closed) cannot be verified and is refused (``unverified_sender``), so below that rate
+        nothing is gathered."""
         deadline = time.monotonic() + UDP_GATHER_SECONDS
         size = sum(len(payload) for payload, _ in batch)
         while len(batch) < UDP_BATCH and size < UDP_BATCH_BYTES and not self._stop.is_set():
