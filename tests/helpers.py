@@ -384,3 +384,11 @@ class FakeClock(Clock):
 
     def monotonic(self) -> float:
         return self.mono
+
+
+def analyze_json(*args: str) -> dict:
+    """``tfprofd analyze --json ARGS`` in a fresh process: its JSON (it must exit 0)."""
+    result = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "analyze", "--json", *args], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout)

@@ -5,7 +5,6 @@ sentence. ``RECORD_TRACES=1`` records the traces again first (on a quiet machine
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -14,6 +13,8 @@ from dataclasses import replace
 
 import pytest
 from corpus import CASES, Case, record, unpack
+
+from helpers import analyze_json as analyze
 
 pytestmark = pytest.mark.tf
 
@@ -73,13 +74,6 @@ def logdirs(tmp_path_factory):
             record(case)
         out[case.name] = unpack(case, tmp)
     return out
-
-
-def analyze(*args: str) -> dict:
-    result = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "analyze", "--json", *args], capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads(result.stdout)
 
 
 def sentence_numbers(why: str) -> tuple[float, int]:

@@ -6,7 +6,6 @@ Record the traces made without tfprofd again after a change to how they are made
 
 from __future__ import annotations
 
-import json
 import lzma
 import math
 import os
@@ -21,6 +20,7 @@ from tfprofd.daemon.analysis import PART_WORDS, CaptureAnalysis, compare
 from tfprofd.daemon.protos import xplane_pb2
 
 from helpers import AgentProcess
+from helpers import analyze_json as analyze
 from scenarios import PAUSE, SCENARIOS, capture, plain_trace
 
 pytestmark = pytest.mark.tf
@@ -48,13 +48,6 @@ def healthy(agent):
         return cache[args]
 
     return get
-
-
-def analyze(*args: str) -> dict:
-    result = subprocess.run([sys.executable, "-m", "tfprofd.daemon", "analyze", "--json", *args], capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads(result.stdout)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
