@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from grafana_foundation_sdk.builders import barchart, dashboard, prometheus, stat, table, timeseries
@@ -52,9 +53,13 @@ def variable(name: str, label: str, expr: str) -> dashboard.QueryVariable:
             .multi(True).include_all(True).all_value(".*"))
 
 
-def per_worker(title: str, unit: str, worker: str, median: str, straggler: str, description: str,
+def per_worker(title: str, unit: str, worker: str, behind: Callable[[str], str], description: str,
                maximum: float | None = None) -> timeseries.Panel:
-    """A panel of each worker of a job against the job's median worker (dashed), the stragglers drawn again in red."""
+    """A panel of each worker of a job (``worker``, by training_job, worker and instance) against the job's
+    median worker (dashed); a worker ``behind(median)`` selects, in a job of two or more, is drawn again in red."""
+    median = f"quantile by (training_job) (0.5, {worker})"
+    workers = f"count by (training_job) (count by (training_job, worker) ({worker}))"
+    straggler = f"{worker} and ({behind(median)}) and on (training_job) ({workers} >= 2)"
     red = [DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "red"}),
            DynamicConfigValue(id_val="custom.lineWidth", value=4),
            DynamicConfigValue(id_val="custom.showPoints", value="always")]
@@ -68,44 +73,39 @@ def per_worker(title: str, unit: str, worker: str, median: str, straggler: str, 
             .override_by_query("B", dashed).override_by_query("C", red))
 
 
+WORKER = "training_job, worker, instance"
+JOB_SELECTOR = 'training_job=~"$training_job"'
+
+
 def worker_step_time(rate: str) -> timeseries.Panel:
     """Each worker's mean step time, its job's median, and the stragglers marked (every host: a job's workers
     are compared with each other wherever they run)."""
-    by = "training_job, worker, instance"
-    selector = 'training_job=~"$training_job"'
-    worker = (f"(sum by ({by}) (rate(tfprofd_training_step_duration_seconds_sum{{{selector}}}[{rate}])) "
-              f"/ sum by ({by}) (rate(tfprofd_training_step_duration_seconds_count{{{selector}}}[{rate}]) > 0))")
-    median = f"quantile by (training_job) (0.5, {worker})"
-    workers = f"count by (training_job) (count by (training_job, worker) ({worker}))"
-    straggler = (f"{worker} and ({worker} / on (training_job) group_left {median} >= {STRAGGLER}) "
-                 f"and on (training_job) ({workers} >= 2)")
-    return per_worker("Step time per worker", "s", worker, median, straggler,
+    worker = (f"(sum by ({WORKER}) (rate(tfprofd_training_step_duration_seconds_sum{{{JOB_SELECTOR}}}[{rate}])) "
+              f"/ sum by ({WORKER}) (rate(tfprofd_training_step_duration_seconds_count{{{JOB_SELECTOR}}}[{rate}]) "
+              f"> 0))")
+    return per_worker("Step time per worker", "s", worker,
+                      lambda median: f"{worker} / on (training_job) group_left {median} >= {STRAGGLER}",
                       description=f"Mean step time of each worker of the job, on every host, against the median of "
-                               f"the job's workers (dashed). A worker {STRAGGLER}x the median or slower in a job of "
-                               f"two or more workers is drawn again in red; held 5 minutes, that is the "
-                               f"TfprofdStraggler alert, which captures a profile on the straggler's host.")
+                                  f"the job's workers (dashed). A worker {STRAGGLER}x the median or slower in a job "
+                                  f"of two or more workers is drawn again in red; held 5 minutes, that is the "
+                                  f"TfprofdStraggler alert, which captures a profile on the straggler's host.")
 
 
 def worker_gpu_busy(rate: str) -> timeseries.Panel:
     """Each worker's GPUs' utilization, its job's median worker, and the stragglers marked: in a synchronous job
     the waiting workers' GPUs spin in the all-reduce while the straggler's idle (step times are equal there)."""
-    by = "training_job, worker, instance"
-    selector = 'training_job=~"$training_job"'
-    worker = (f"(avg by ({by}) (tfprofd_gpu_utilization_ratio * on (instance, gpu) group_right "
-              f"tfprofd_gpu_job_info{{{selector}}}) and on ({by}) "
-              f"(rate(tfprofd_training_step_duration_seconds_count{{{selector}}}[{rate}]) > 0))")
-    median = f"quantile by (training_job) (0.5, {worker})"
-    workers = f"count by (training_job) (count by (training_job, worker) ({worker}))"
-    straggler = (f"{worker} and ({median} - on (training_job) group_right () {worker} >= {IDLE_STRAGGLER}) "
-                 f"and on (training_job) ({workers} >= 2)")
-    return per_worker("GPU busy per worker", "percentunit", worker, median, straggler,
+    worker = (f"(avg by ({WORKER}) (tfprofd_gpu_utilization_ratio * on (instance, gpu) group_right "
+              f"tfprofd_gpu_job_info{{{JOB_SELECTOR}}}) and on ({WORKER}) "
+              f"(rate(tfprofd_training_step_duration_seconds_count{{{JOB_SELECTOR}}}[{rate}]) > 0))")
+    return per_worker("GPU busy per worker", "percentunit", worker,
+                      lambda median: f"{median} - on (training_job) group_right () {worker} >= {IDLE_STRAGGLER}",
                       description=f"Utilization of each stepping worker's GPUs (NVML; their mean where a worker has "
-                               f"several), on every host, against the job's median worker (dashed). In a "
-                               f"synchronous job every worker waits for the slowest at each all-reduce, so step "
-                               f"times are equal: the waiting workers' GPUs spin in the collective and the "
-                               f"straggler's idle. A worker {IDLE_STRAGGLER * 100:.0f} points or more under the "
-                               f"median in a job of two or more workers is drawn again in red; held 5 minutes (over "
-                               f"5-minute means), that is the TfprofdStraggler alert.", maximum=1)
+                                  f"several), on every host, against the job's median worker (dashed). In a "
+                                  f"synchronous job every worker waits for the slowest at each all-reduce, so step "
+                                  f"times are equal: the waiting workers' GPUs spin in the collective and the "
+                                  f"straggler's idle. A worker {IDLE_STRAGGLER * 100:.0f} points or more under the "
+                                  f"median in a job of two or more workers is drawn again in red; held 5 minutes "
+                                  f"(over 5-minute means), that is the TfprofdStraggler alert.", maximum=1)
 
 
 def build() -> dashboard.Dashboard:
