@@ -272,7 +272,7 @@ class CaptureService:
         if cause is not None and record.rule:
             lifted = self.policy.forgive(record.rule, frozenset(t["address"] for t in record.targets))
             log.info("capture %s found host contention: rule %s's cooldown for job %s %s", record.id, record.rule,
-                     record.job, "is lifted" if lifted else "is not (none was running, or it was lifted once within it)")
+                     record.job, "is lifted" if lifted else "is not (none ran, or it was lifted once within it)")
         record.status, record.analysis = "done", result
         log.info("capture %s analysed: job=%s %s", record.id, record.job, result.summary)
 
