@@ -8,13 +8,19 @@ abi3 wheels, about 5 MB): the GPU machine has NVML but no package registry, and 
 directory alone on its path, against the real ``libnvidia-ml.so.1``, for ``--seconds`` (60), scrapes it,
 lints the scrape with promtool where there is one, and prints: the GPU model and driver, every GPU series,
 which NVML readings each GPU has, each collector's success and sampling duration, and every NVML call
-that failed. It writes the scrape, the log and the summary to ``$OUT`` (or ``--out``) when set. It exits 1,
-saying why, where NVML cannot be loaded or initialized or reports no GPU: nothing was checked there.
+that failed. With ``--workload`` (default 20 s; PyTorch with CUDA on that machine) a job runs on GPU 0 through
+the hook (``bench/gpu_workload.py``), at full speed and then slowed: the check prints, per phase, GPU 0's
+utilization and SM activity, the job's samples/s and step time, and whether ``tfprofd_gpu_job_info`` put the
+job's worker on the GPU (the join the straggler rule's GPU signal is built on). It writes the scrape, the log
+and the summary to ``$OUT`` (or ``--out``) when set. It exits 1, saying why, where NVML cannot be loaded or
+initialized or reports no GPU: nothing was checked there.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import os
 import re
 import shutil
@@ -81,7 +87,13 @@ def nvml_problem(text: str, log: str) -> str | None:
     return None
 
 
-def run(seconds: float, out: Path | None, site: Path = SITE) -> int:
+def torch_cuda() -> bool:
+    """Whether this machine's python3 has PyTorch with a CUDA device (the workload's framework)."""
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run(["python3", "-c", probe], capture_output=True).returncode == 0
+
+
+def run(seconds: float, out: Path | None, site: Path = SITE, workload: float = 0) -> int:
     if not (site / "tfprofd").is_dir():
         print(f"{site} is missing: run `python3 bench/gpu_check.py build` where pip can reach an index",
               file=sys.stderr)
@@ -107,14 +119,26 @@ def run(seconds: float, out: Path | None, site: Path = SITE) -> int:
                         print(log_path.read_text(), file=sys.stderr)
                         return 1
                     time.sleep(0.2)
+            job = None
+            if workload and torch_cuda():
+                job = subprocess.Popen(
+                    ["python3", str(ROOT / "bench" / "gpu_workload.py"), "--addr", f"unix:{tmp / 'hook.sock'}",
+                     "--site", str(site), "--seconds", str(workload)], stdout=subprocess.PIPE, text=True)
+            elif workload:
+                print("no PyTorch with CUDA on this machine: the workload part is skipped", file=sys.stderr)
             started = time.monotonic()
             durations: dict[str, list[float]] = {}
-            while time.monotonic() - started < seconds and not NVML_UNAVAILABLE.search(log_path.read_text()):
-                for name, labels, value in parse(scrape(port)):
+            scrapes: list[tuple[float, str]] = []
+            while ((time.monotonic() - started < seconds or (job is not None and job.poll() is None))
+                   and not NVML_UNAVAILABLE.search(log_path.read_text())):
+                text = scrape(port)
+                scrapes.append((time.time(), text))
+                for name, labels, value in parse(text):
                     if name == "tfprofd_collector_duration_seconds":
                         durations.setdefault(labels["collector"], []).append(value)
                 time.sleep(1)
             text = scrape(port)
+            phases = [json.loads(line) for line in job.communicate()[0].splitlines()] if job is not None else []
         finally:
             agent.terminate()
             agent.wait(10)
@@ -124,6 +148,8 @@ def run(seconds: float, out: Path | None, site: Path = SITE) -> int:
         lint = "clean" if result.returncode == 0 and not (result.stdout + result.stderr).strip() else (
             (result.stdout + result.stderr).strip())
     summary = summarize(text, durations, log_path.read_text(), lint, seconds)
+    if phases:
+        summary += summarize_workload(scrapes, phases)
     print(summary)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -163,14 +189,46 @@ def summarize(text: str, durations: dict[str, list[float]], log: str, lint: str,
     return "\n".join(lines) + "\n"
 
 
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else float("nan")
+
+
+def _values(scrapes: list[list[tuple[str, dict[str, str], float]]], metric: str, **match: str) -> list[float]:
+    return [v for samples in scrapes for name, labels, v in samples
+            if name == metric and all(labels.get(k, "") == want for k, want in match.items())]
+
+
+def summarize_workload(scrapes: list[tuple[float, str]], phases: list[dict]) -> str:
+    """Per workload phase: GPU 0's readings, the job's throughput and step time, and its gpu_job_info series."""
+    lines = ["workload on GPU 0 (bench/gpu_workload.py; the first 3 s of each phase left out as warm-up):"]
+    for phase, following in itertools.pairwise(phases):
+        taken = [parse(text) for at, text in scrapes if phase["time"] + 3 <= at <= following["time"]]
+        utilization = _values(taken, "tfprofd_gpu_utilization_ratio", gpu="0")
+        sm_activity = _values(taken, "tfprofd_gpu_sm_activity_ratio", gpu="0", gpu_instance_id="")
+        throughput = _values(taken, "tfprofd_training_samples_per_second")
+        sums = _values(taken, "tfprofd_training_step_duration_seconds_sum")
+        counts = _values(taken, "tfprofd_training_step_duration_seconds_count")
+        steps = counts[-1] - counts[0] if len(counts) > 1 else 0
+        mean_step = (sums[-1] - sums[0]) / steps if steps > 0 else float("nan")
+        attributed = sorted({f"{labels['training_job']}/{labels['worker']} on GPU {labels['gpu']}"
+                             for samples in taken for name, labels, _ in samples if name == "tfprofd_gpu_job_info"})
+        lines.append(
+            f"  {phase['phase']:7s} {len(taken)} scrapes: utilization median {_median(utilization):.2f}, SM activity "
+            f"median {_median(sm_activity):.2f}, samples/s median {_median(throughput):.0f}, mean step "
+            f"{mean_step * 1000:.1f} ms, gpu_job_info: {', '.join(attributed) or 'none'}")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("step", choices=("build", "run"))
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     parser.add_argument("--site", type=Path, default=SITE, help="where `build` put the agent (run only)")
+    parser.add_argument("--workload", type=float, default=20, metavar="SECONDS",
+                        help="run a PyTorch job on GPU 0 this long per phase (0: none)")
     options = parser.parse_args()
-    return build() if options.step == "build" else run(options.seconds, options.out, options.site)
+    return build() if options.step == "build" else run(options.seconds, options.out, options.site, options.workload)
 
 
 if __name__ == "__main__":
