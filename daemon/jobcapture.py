@@ -249,6 +249,49 @@ def compare_workers(subject: WorkerResult, named_by: str, workers: list[WorkerRe
                             comparison)
 
 
+def conclude(record: JobRecord, analyses: dict[tuple[str, str], WorkerAnalysis]) -> None:
+    """The record's verdict from every worker traced: window skew, straggler, the comparison, late workers,
+    status and detail. The alert's suspect is the worker of that name on this host where there is one (the alert
+    came to the straggler's node; workers on other hosts may have the same name), else on any host."""
+    record.workers.sort(key=lambda w: w.worker)
+    starts = [w.window_start_ns for w in record.workers if w.window_start_ns is not None]
+    record.window_skew_ms = (max(starts) - min(starts)) / 1e6 if len(starts) > 1 else None
+    record.straggler = straggler_of(record.workers)
+    unnamed = None
+    if record.suspect is not None:
+        named = [w for w in record.workers if w.worker == record.suspect]
+        subject = min(named, key=lambda w: w.peer != LOCAL, default=None)
+        if subject is None:
+            unnamed = f"the alert's straggler, worker {record.suspect!r}, was not traced"
+        else:
+            record.comparison = compare_workers(subject, "alert", record.workers, analyses)
+    elif record.straggler is not None:
+        subject = next(w for w in record.workers if w.worker == record.straggler.worker
+                       and w.step_ms == record.straggler.step_ms)
+        record.comparison = compare_workers(subject, "trace", record.workers, analyses)
+    for w in record.workers:
+        if w.window_start_ns is not None and record.start_at_ns is not None \
+                and (late := (w.window_start_ns - record.start_at_ns) / 1e6) > LATE_MS:
+            record.late.append(PeerFailure(w.peer, f"worker {w.worker}'s window opened {late:.0f} ms after the "
+                                                   "instant (a busy host: its capture worker started late)"))
+    names = ", ".join(f.peer for f in record.failed)
+    if not record.workers:
+        record.status = "failed"
+        record.detail = f"no worker traced; failed: {names}" if names else "no agent has a worker of the job"
+    elif record.failed:
+        record.status = "partial"
+        record.detail = f"{len(record.workers)} worker(s) traced; failed: {names}"
+    else:
+        record.status = "done"
+        record.detail = record.straggler.why if record.straggler else "no straggler"
+    if record.comparison is not None:
+        record.detail += "; " + record.comparison.summary
+    elif unnamed is not None:
+        record.detail += "; " + unnamed
+    if record.late:
+        record.detail += "; late: " + "; ".join(f.why for f in record.late)
+
+
 class JobCaptures:
     """Runs job-wide captures and keeps their records (``jobs/<id>.json`` under the state directory, reached
     through its descriptor like every other record)."""
@@ -381,45 +424,7 @@ class JobCaptures:
                 analyses.setdefault((worker.peer, worker.worker), analysis)
             if why is not None:
                 record.failed.append(PeerFailure(peer, why))
-        self._conclude(record, analyses)
-
-    def _conclude(self, record: JobRecord, analyses: dict[tuple[str, str], WorkerAnalysis]) -> None:
-        record.workers.sort(key=lambda w: w.worker)
-        starts = [w.window_start_ns for w in record.workers if w.window_start_ns is not None]
-        record.window_skew_ms = (max(starts) - min(starts)) / 1e6 if len(starts) > 1 else None
-        record.straggler = straggler_of(record.workers)
-        unnamed = None
-        if record.suspect is not None:
-            subject = next((w for w in record.workers if w.worker == record.suspect), None)
-            if subject is None:
-                unnamed = f"the alert's straggler, worker {record.suspect!r}, was not traced"
-            else:
-                record.comparison = compare_workers(subject, "alert", record.workers, analyses)
-        elif record.straggler is not None:
-            subject = next(w for w in record.workers if w.worker == record.straggler.worker
-                           and w.step_ms == record.straggler.step_ms)
-            record.comparison = compare_workers(subject, "trace", record.workers, analyses)
-        for w in record.workers:
-            if w.window_start_ns is not None and record.start_at_ns is not None \
-                    and (late := (w.window_start_ns - record.start_at_ns) / 1e6) > LATE_MS:
-                record.late.append(PeerFailure(w.peer, f"worker {w.worker}'s window opened {late:.0f} ms after the "
-                                                       "instant (a busy host: its capture worker started late)"))
-        names = ", ".join(f.peer for f in record.failed)
-        if not record.workers:
-            record.status = "failed"
-            record.detail = f"no worker traced; failed: {names}" if names else "no agent has a worker of the job"
-        elif record.failed:
-            record.status = "partial"
-            record.detail = f"{len(record.workers)} worker(s) traced; failed: {names}"
-        else:
-            record.status = "done"
-            record.detail = record.straggler.why if record.straggler else "no straggler"
-        if record.comparison is not None:
-            record.detail += "; " + record.comparison.summary
-        elif unnamed is not None:
-            record.detail += "; " + unnamed
-        if record.late:
-            record.detail += "; late: " + "; ".join(f.why for f in record.late)
+        conclude(record, analyses)
 
     def _ping(self, peer: str) -> tuple[float, str, str | None]:
         """(round trip in seconds, the peer's agent id, why it cannot be asked or None)."""

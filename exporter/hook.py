@@ -86,12 +86,23 @@ def report_target(addr: str | None = None) -> str:
     return DEFAULT_UDP_ADDR
 
 
-def _worker_from_tf_config() -> str | None:
+# Where launchers put a process's rank (Horovod, Open MPI, MPICH/Intel MPI, Slurm, torchrun, a Kubernetes
+# indexed Job): without TF_CONFIG, the workers of a job on several hosts would otherwise all be worker "0".
+RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "RANK", "JOB_COMPLETION_INDEX")
+
+
+def _default_worker() -> str:
+    """``TF_CONFIG``'s ``type-index``, else the first launcher rank found (a non-negative integer), else "0"."""
     try:
         task = json.loads(os.environ.get("TF_CONFIG", "")).get("task", {})
         return f"{task['type']}-{int(task['index'])}"
     except (ValueError, KeyError, TypeError, AttributeError):
-        return None
+        pass
+    for name in RANK_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value.isascii() and value.isdigit():
+            return str(int(value))
+    return "0"
 
 
 def _default_job() -> str:
@@ -150,7 +161,7 @@ class Reporter:
     def shared(cls, job: str | None = None, worker: str | None = None, **kwargs: Any) -> Reporter:
         """The process's reporter for (job, worker), created on first use."""
         job = job or os.environ.get("TFPROFD_JOB") or _default_job()
-        worker = worker or _worker_from_tf_config() or "0"
+        worker = worker or _default_worker()
         with _reporters_lock:
             reporter = _reporters.get((job, worker))
             if reporter is None:
@@ -163,7 +174,7 @@ class Reporter:
                  addr: str | None = None, interval: float = 1.0, profiler: bool | None = None,
                  profiler_port: int | None = None, step_markers: bool = True, idle_after: float = 30.0):
         self.job = job or os.environ.get("TFPROFD_JOB") or _default_job()
-        self.worker = worker or _worker_from_tf_config() or "0"
+        self.worker = worker or _default_worker()
         self.batch_size = batch_size
         self.target = report_target(addr)
         self.interval = interval

@@ -130,6 +130,26 @@ def test_reporter_never_blocks_or_raises_without_an_agent():
     assert reporter.steps == 5 and reporter.samples == 40
 
 
+@pytest.mark.parametrize(("env", "worker"), [
+    ({}, "0"),
+    ({"HOROVOD_RANK": "3"}, "3"),  # Horovod, without TF_CONFIG: each host's process had been worker "0"
+    ({"OMPI_COMM_WORLD_RANK": "5", "RANK": "9"}, "5"),  # the first launcher variable set
+    ({"SLURM_PROCID": "12"}, "12"),
+    ({"JOB_COMPLETION_INDEX": "007"}, "7"),
+    ({"RANK": "-1", "PMI_RANK": "x", "SLURM_PROCID": "\u0663"}, "0"),  # no rank there: not a name taken from it
+    ({"RANK": "2", "TF_CONFIG": json.dumps({"task": {"type": "worker", "index": 4}})}, "worker-4"),
+])
+def test_the_worker_name_comes_from_the_launcher_where_nothing_names_it(monkeypatch, env, worker):
+    for name in ("TF_CONFIG", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "RANK",
+                 "JOB_COMPLETION_INDEX"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert Reporter(job="ranked", profiler=False).worker == worker
+    assert Reporter.shared(job=f"ranked-{worker}-{len(env)}", profiler=False).worker == worker
+    assert Reporter(job="ranked", worker="named", profiler=False).worker == "named"
+
+
 def test_one_reporter_per_job_and_worker_in_a_process():
     first = Reporter.shared(job="same", worker="0", profiler=False)
     assert Reporter.shared(job="same", worker="0", profiler=False) is first

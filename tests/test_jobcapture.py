@@ -14,6 +14,8 @@ import sys
 import pytest
 from fake_agent import FakeAgent, FakeWorker
 
+from tfprofd.daemon.jobcapture import LOCAL, JobRecord, conclude, worker_results
+
 from helpers import AgentProcess, Server, free_port, http, wait_for
 
 pytestmark = pytest.mark.servers
@@ -301,3 +303,24 @@ receivers:
         assert [p.triggers for p in peers] == [["alert"], ["alert"]]  # one capture each, for all the notifications
     finally:
         am.stop()
+
+
+def test_the_alerts_straggler_is_this_hosts_worker_when_other_hosts_use_the_same_name():
+    """Workers named by the default ("0") or the same TF_CONFIG on each host: the straggler alert came to the
+    straggler's node, so its worker "0" is the one compared, not the first "0" in the record."""
+    healthy = (("input", "Iterator::Map", 0.5), ("device", "MatMul", 9.0))
+    slowed = (("input", "Iterator::Map", 40.2), ("device", "MatMul", 9.0))
+    hosts = {"10.0.0.1:9848": FakeWorker("0", 51.2, 1.0, 40.0, healthy),
+             "10.0.0.2:9848": FakeWorker("0", 51.2, 1.0, 40.0, healthy),
+             LOCAL: FakeWorker("0", 51.3, 41.0, 0.3, slowed)}
+    record = JobRecord(id="j1", job="ring", trigger="alert", requested_at=0.0, suspect="0")
+    analyses = {}
+    for peer, worker in hosts.items():
+        [(result, analysis)] = worker_results(peer, FakeAgent(peer, 1, TOKEN, [worker]).record("ring", 10**18))
+        record.workers.append(result)
+        analyses[(peer, "0")] = analysis
+    conclude(record, analyses)
+    compared = record.comparison
+    assert (compared.worker, compared.peer, compared.reference, compared.named_by) == ("0", LOCAL, "0", "alert")
+    assert compared.reference_peer != LOCAL
+    assert "+40.0 ms waiting for input" in record.detail, record.detail
