@@ -1,10 +1,11 @@
-"""Issue 4: detection latency (simulated GPU drop -> capture request, rule with for: 10s, 1 s interval);
+"""Issue 4: detection latency (simulated GPU drop -> capture request, rule with for: 10s, 1 s interval; the
+request comes when the rule goes pending, ``captures.on_pending``, the default, and when it fires without it);
 issue 24: trigger latency (POST /api/v1/captures -> profiler session started inside the training process,
 read from TensorFlow's own log line), side by side with TensorFlow's own client
 (``tf.profiler.experimental.client.trace``) on the same job, alternating, measured against the real agent.
 
-Targets: detection within 10 s + one sampling interval; trigger p99 <= 300 ms for a local job (the ratio to
-TensorFlow's own client is reported). ``--quick``: one drop, two captures each, no timing assertion.
+Targets: detection within one sampling interval on pending, 10 s + one interval at firing; trigger p99 <= 300 ms
+for a local job (the ratio to TensorFlow's own client is reported). ``--quick``: one drop, two captures each, no timing assertion.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ rules:
 class Agent:
     """``tfprofd run`` on loopback; control API calls carry the token it generated in its state directory."""
 
-    def __init__(self, tmp: Path, state: GpuState, rule_for: float):
+    def __init__(self, tmp: Path, state: GpuState, rule_for: float, on_pending: bool = True):
         config = tmp / "tfprofd.yaml"
         config.write_text(RULES.format(FOR=rule_for))
         self.port, self.api_port, self.hook_port = free_port(), free_port(), free_port(socket.SOCK_DGRAM)
@@ -54,7 +55,8 @@ class Agent:
              "--hook.listen", f"127.0.0.1:{self.hook_port}", "--state-dir", str(tmp / "state"),
              "--hook.socket", str(tmp / "hook.sock"),  # not the host's default socket another agent may hold
              "--interval", f"{INTERVAL}s", "--captures.max-per-hour", "1000", "--captures.duration", "500ms",
-             "--captures.analyze", "false", "--captures.baseline", "false"],
+             "--captures.analyze", "false", "--captures.baseline", "false",
+             "--captures.on-pending", "true" if on_pending else "false"],
             env={**os.environ, **state.env()}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.token_file = tmp / "state" / "api.token"
         try:
@@ -80,10 +82,12 @@ class Agent:
         self.proc.wait()
 
 
-def detection(tmp: Path, trials: int, rule_for: float) -> list[float]:
+def detection(tmp: Path, trials: int, rule_for: float, on_pending: bool) -> list[float]:
     build_fakenvml()
+    tmp = tmp / ("pending" if on_pending else "firing")
+    tmp.mkdir()
     state = GpuState(tmp / "nvml.json", [gpu(0, processes=[{"pid": os.getpid(), "used_memory_bytes": 1}])])
-    agent = Agent(tmp, state, rule_for)
+    agent = Agent(tmp, state, rule_for, on_pending)
     # This process plays the training job (reports steps, lists its pid on GPU 0); its port listens while
     # the agent checks that it is the job's own (a UDP sender must own the profiler port it names), then
     # closes, so each capture fails fast with no_server, but its request time is what we measure.
@@ -200,15 +204,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parser.parse_args(argv)
     drops, rule_for, trials = (1, 2.0, 2) if args.quick else (4, 10.0, args.trials)
     with tempfile.TemporaryDirectory() as tmp:
-        detect = detection(Path(tmp), drops, rule_for)
+        pending = detection(Path(tmp), drops, rule_for, on_pending=True)
+        detect = detection(Path(tmp), drops, rule_for, on_pending=False)
         ours, theirs, to_rpc = trigger(Path(tmp), trials)
-    r = {"detect_mean_s": statistics.fmean(detect), "detect_max_s": max(detect),
+    r = {"pending_mean_s": statistics.fmean(pending), "pending_max_s": max(pending),
+         "detect_mean_s": statistics.fmean(detect), "detect_max_s": max(detect),
          "trigger_p50_s": percentile(ours, 50), "trigger_p99_s": percentile(ours, 99),
          "tf_client_p50_s": percentile(theirs, 50), "tf_client_p99_s": percentile(theirs, 99)}
     r["p50_ratio"] = r["trigger_p50_s"] / max(r["tf_client_p50_s"], 1e-3)
     r["p99_ratio"] = r["trigger_p99_s"] / max(r["tf_client_p99_s"], 1e-3)
-    print(f"detection latency, rule for: {rule_for:g}s, interval {INTERVAL:g}s, {drops} drop(s): "
-          f"mean {r['detect_mean_s']:.2f} s, max {r['detect_max_s']:.2f} s  (target <= {rule_for + INTERVAL:g} s)")
+    print(f"detection latency, rule for: {rule_for:g}s, interval {INTERVAL:g}s, {drops} drop(s) each:")
+    print(f"  capture on pending (the default):     mean {r['pending_mean_s']:.2f} s, max {r['pending_max_s']:.2f} s"
+          f"  (target <= {INTERVAL:g} s)")
+    print(f"  capture at firing (on_pending false): mean {r['detect_mean_s']:.2f} s, max {r['detect_max_s']:.2f} s"
+          f"  (target <= {rule_for + INTERVAL:g} s)")
     print(f"trigger latency to 'Profiler session started' in the job, {trials} each, alternating:")
     print(f"  tfprofd POST /api/v1/captures:            p50 {r['trigger_p50_s'] * 1000:6.0f} ms  "
           f"p99 {r['trigger_p99_s'] * 1000:6.0f} ms  (target p99 <= {TRIGGER_TARGET_S * 1000:.0f} ms)")
@@ -218,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"p99 {r['tf_client_p99_s'] * 1000:6.0f} ms")
     print(f"  ratio tfprofd / TensorFlow's client:      p50 {r['p50_ratio']:.1f}x  p99 {r['p99_ratio']:.1f}x")
     if not args.quick:
-        missed = [what for what, bad in (("detection", r["detect_max_s"] > rule_for + INTERVAL),
+        missed = [what for what, bad in (("detection on pending", r["pending_max_s"] > INTERVAL),
+                                         ("detection at firing", r["detect_max_s"] > rule_for + INTERVAL),
                                          ("trigger", r["trigger_p99_s"] > TRIGGER_TARGET_S)) if bad]
         if missed:
             print(f"target missed: {', '.join(missed)}", file=sys.stderr)
