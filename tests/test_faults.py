@@ -83,3 +83,20 @@ def test_sighup_reloads_config_and_rejects_a_bad_one(agents, gpus, tmp_path):
     assert f"{config}:3: collectors.disk.enabled: expected true or false" in agent.log()
     assert agent.proc.poll() is None
     assert metric_value(agent.scrape(), "tfprofd_disk_read_bytes_total", device="sda") is None
+
+
+def test_costly_gpu_readings_are_read_every_slow_interval(agents, tmp_path, fakenvml):
+    """Total energy (3-4 ms of CPU per GPU on an H100) and MIG mode are re-read every slow_interval, not every
+    sample: between reads the energy counter keeps its last value."""
+    state = GpuState(tmp_path / "nvml.json", [gpu(0, utilization_gpu=90, energy_millijoules=5_000_000)])
+    slow = agents(env=state.env(), args=["--collectors.nvml.slow-interval", "1h"])
+    wait_for(lambda: metric_value(slow.scrape(), "tfprofd_gpu_energy_joules_total", gpu="0") == 5000.0, 30,
+             message="the first sample")
+    state.update_gpu(0, utilization_gpu=20, energy_millijoules=7_000_000)
+    wait_for(lambda: metric_value(slow.scrape(), "tfprofd_gpu_utilization_ratio", gpu="0") == 0.2, 30,
+             message="the next sample")
+    assert metric_value(slow.scrape(), "tfprofd_gpu_energy_joules_total", gpu="0") == 5000.0
+    quick = agents(env=state.env(), args=["--collectors.nvml.slow-interval", "1s"])
+    state.update_gpu(0, energy_millijoules=9_000_000)
+    wait_for(lambda: metric_value(quick.scrape(), "tfprofd_gpu_energy_joules_total", gpu="0") == 9000.0, 30,
+             message="energy re-read after slow_interval")
