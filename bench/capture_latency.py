@@ -5,7 +5,8 @@ read from TensorFlow's own log line), side by side with TensorFlow's own client
 (``tf.profiler.experimental.client.trace``) on the same job, alternating, measured against the real agent.
 
 Targets: detection within one sampling interval on pending, 10 s + one interval at firing; trigger p99 <= 300 ms
-for a local job (the ratio to TensorFlow's own client is reported). ``--quick``: one drop, two captures each, no timing assertion.
+for a local job (the ratio to TensorFlow's own client is reported). ``--quick``: one drop, two captures each, no
+timing assertion.
 """
 
 from __future__ import annotations
