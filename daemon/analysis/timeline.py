@@ -20,8 +20,15 @@ from __future__ import annotations
 import bisect
 import itertools
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .xprof import StepHints
+
+if TYPE_CHECKING:
+    from ..protos.xplane_pb2 import XSpace
 
 Interval = tuple[int, int]  # picoseconds on the trace's clock
 
@@ -123,12 +130,36 @@ class Timeline:
     def markers(self) -> list[Interval]:
         return self.steps.markers
 
+    @property
+    def hints(self) -> StepHints:
+        """What xprof's copy of the trace must say for xprof to find these steps."""
+        return StepHints(hide_loops=self.loops, root_markers=self.steps.unrooted, step_function=self.steps.function)
 
-def read_events(trace: Path) -> Events:
-    """Gather the events that matter from the trace's planes."""
+
+def load(trace: Path) -> XSpace:
+    """The trace's XSpace (raises whatever parsing the protobuf raises)."""
     from ..protos import xplane_pb2
 
-    space = xplane_pb2.XSpace.FromString(trace.read_bytes())
+    return xplane_pb2.XSpace.FromString(trace.read_bytes())
+
+
+def _deciding(plane: str, line: str) -> bool:
+    """The lines that say which steps a trace has, and so what xprof's copy needs (all but a few traces): the
+    host's threads but tf.data's (in an input-bound trace, nearly all of its events), and the GPUs' steps."""
+    return not line.startswith("tf_data") if plane.startswith("/host") else line == "Steps"
+
+
+def predicted_hints(space: XSpace) -> StepHints:
+    """What xprof's copy of the trace will need, from the lines that decide it (a small share of the trace):
+    the hints of the whole trace's timeline, but where the only step markers, loops or tf.function calls that
+    count are on tf.data's threads."""
+    ev = read_events(space, only=_deciding)
+    steps = find_steps(ev)
+    return StepHints(hide_loops=ev.loops and steps.on_host, root_markers=steps.unrooted, step_function=steps.function)
+
+
+def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None) -> Events:
+    """Gather the events that matter from the trace's planes (those of the lines ``only(plane, line)`` keeps)."""
     ev = Events()
     low, high = float("inf"), float("-inf")
     for plane in space.planes:
@@ -152,6 +183,8 @@ def read_events(trace: Path) -> Events:
         kernels: list[tuple[int, int, str]] = []
         for line in plane.lines:
             base, line_name = line.timestamp_ns * 1000, line.name  # read once: each read makes a Python object
+            if only is not None and not only(plane.name, line_name):
+                continue
             compute_thread = host and line_name.startswith(LAUNCH_THREADS)
             data_thread = host and line_name.startswith("tf_data")
             thread = ev.threads.setdefault(line_name, []) if compute_thread else None
@@ -252,9 +285,9 @@ def _steps_per_marker(ev: Events, markers: list[Interval]) -> tuple[float, bool]
     return statistics.fmean(max(1, c) for c in counts), True
 
 
-def timeline(trace: Path) -> Timeline:
-    """Read the trace into a timeline (raises whatever reading the protobuf raises)."""
-    ev = read_events(trace)
+def timeline(space: XSpace) -> Timeline:
+    """Read the trace into a timeline."""
+    ev = read_events(space)
     steps = find_steps(ev)
     markers = steps.markers
     gaps = [(a[1], b[0]) for a, b in itertools.pairwise(markers) if b[0] > a[1]]
