@@ -33,6 +33,7 @@ from .timeline import DeviceEvents, Interval, Steps, Timeline, covered, load, me
 from .xprof import (
     AnalysisError,
     StepHints,
+    converter,
     host_of,
     num,
     private_session,
@@ -150,6 +151,7 @@ def _read(trace: Path, verbose: bool) -> tuple[Timeline, Tables]:
     The timeline is read in a thread while xprof converts the trace (xprof's conversion releases the GIL), from
     the copy that the lines deciding the steps ask for; where the whole timeline asks for another copy after all
     (steps, loops or tf.function calls found only on tf.data's threads), xprof converts that one again."""
+    converter()  # imported first: an import holds the GIL, and would hold up xprof's start behind the timeline
     try:
         space = load(trace)
     except Exception as exc:  # an unreadable timeline must not hide what xprof could read

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from .model import PART_TYPES
@@ -133,12 +134,17 @@ def _rewritten(data: bytes, hide_loops: bool, root_markers: bool, step_function:
     return space.SerializeToString()
 
 
-def tool(trace: Path, name: str) -> Any:
-    """One xprof tool's data for the trace (its JSON)."""
+def converter() -> ModuleType:
+    """xprof's converter, imported on first use (the agent itself never loads xprof)."""
     from xprof.convert import raw_to_tool_data
 
+    return raw_to_tool_data
+
+
+def tool(trace: Path, name: str) -> Any:
+    """One xprof tool's data for the trace (its JSON)."""
     try:
-        data, _ = raw_to_tool_data.xspace_to_tool_data([str(trace)], name, {})
+        data, _ = converter().xspace_to_tool_data([str(trace)], name, {})
     except Exception as exc:  # xprof raises plain exceptions for some corrupt protobufs
         raise AnalysisError(f"cannot analyse {trace.name}: not a readable profile, corrupt or truncated "
                             f"({name}: {exc})") from None
