@@ -143,24 +143,27 @@ def load(trace: Path) -> XSpace:
     return xplane_pb2.XSpace.FromString(trace.read_bytes())
 
 
-def _deciding(plane: str, line: str) -> bool:
+def deciding(plane: str, line: str) -> bool:
     """The lines that say which steps a trace has, and so what xprof's copy needs (all but a few traces): the
     host's threads but tf.data's (in an input-bound trace, nearly all of its events), and the GPUs' steps."""
     return not line.startswith("tf_data") if plane.startswith("/host") else line == "Steps"
 
 
-def predicted_hints(space: XSpace) -> StepHints:
-    """What xprof's copy of the trace will need, from the lines that decide it (a small share of the trace):
-    the hints of the whole trace's timeline, but where the only step markers, loops or tf.function calls that
-    count are on tf.data's threads."""
-    ev = read_events(space, only=_deciding)
+def the_rest(plane: str, line: str) -> bool:
+    return not deciding(plane, line)
+
+
+def predicted_hints(ev: Events) -> StepHints:
+    """What xprof's copy of the trace will need, from the events of the deciding lines: the whole timeline's
+    hints, unless the only step markers, loops or tf.function calls that count are on tf.data's threads."""
     steps = find_steps(ev)
     return StepHints(hide_loops=ev.loops and steps.on_host, root_markers=steps.unrooted, step_function=steps.function)
 
 
-def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None) -> Events:
-    """Gather the events that matter from the trace's planes (those of the lines ``only(plane, line)`` keeps)."""
-    ev = Events()
+def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, into: Events | None = None) -> Events:
+    """Gather the events that matter from the trace's planes: those of the lines ``only(plane, line)`` keeps,
+    added to ``into`` (the same events as one pass over every line, whatever the order of the passes)."""
+    ev = Events() if into is None else into
     low, high = float("inf"), float("-inf")
     for plane in space.planes:
         names = {i: m.name for i, m in plane.event_metadata.items()}
@@ -240,7 +243,8 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None) -
                         device.kernels.append((start, end))
         _attach_kernels(sorted(plane_ops), kernels, ev.device_ops)
     if high >= low:
-        ev.low, ev.high = int(low), int(high)
+        ev.low = int(low) if ev.low is None else min(ev.low, int(low))
+        ev.high = int(high) if ev.high is None else max(ev.high, int(high))
     return ev
 
 
@@ -285,9 +289,8 @@ def _steps_per_marker(ev: Events, markers: list[Interval]) -> tuple[float, bool]
     return statistics.fmean(max(1, c) for c in counts), True
 
 
-def timeline(space: XSpace) -> Timeline:
-    """Read the trace into a timeline."""
-    ev = read_events(space)
+def timeline(ev: Events) -> Timeline:
+    """The timeline of the events gathered from every line of a trace."""
     steps = find_steps(ev)
     markers = steps.markers
     gaps = [(a[1], b[0]) for a, b in itertools.pairwise(markers) if b[0] > a[1]]

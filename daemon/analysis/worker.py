@@ -29,7 +29,21 @@ from .model import (
     StepTime,
     WorkerAnalysis,
 )
-from .timeline import DeviceEvents, Interval, Steps, Timeline, covered, load, merge, predicted_hints, timeline
+from .timeline import (
+    DeviceEvents,
+    Events,
+    Interval,
+    Steps,
+    Timeline,
+    covered,
+    deciding,
+    load,
+    merge,
+    predicted_hints,
+    read_events,
+    the_rest,
+    timeline,
+)
 from .xprof import (
     AnalysisError,
     StepHints,
@@ -148,24 +162,23 @@ Tables = tuple[Any, Any, Any, Any, list[dict[str, float]] | None]  # xprof's fou
 def _read(trace: Path, verbose: bool) -> tuple[Timeline, Tables]:
     """The trace's timeline, and xprof's tables from the copy the timeline asks for.
 
-    The timeline is read in a thread while xprof converts the trace (xprof's conversion releases the GIL), from
-    the copy that the lines deciding the steps ask for; where the whole timeline asks for another copy after all
-    (steps, loops or tf.function calls found only on tf.data's threads), xprof converts that one again."""
+    The lines that decide the steps are read first: they say which copy xprof needs. Then xprof converts it
+    while a thread reads the other lines (xprof's conversion releases the GIL); where the whole timeline asks
+    for another copy after all (steps, loops or tf.function calls found only on tf.data's threads), xprof
+    converts that one again."""
     converter()  # imported first: an import holds the GIL, and would hold up xprof's start behind the timeline
     try:
         space = load(trace)
+        ev = read_events(space, only=deciding)
+        hints = predicted_hints(ev)
     except Exception as exc:  # an unreadable timeline must not hide what xprof could read
-        return Timeline(steps=Steps([]), error=f"{type(exc).__name__}: {exc}"), _tables(trace, StepHints(), verbose)
-    try:
-        hints: StepHints | None = predicted_hints(space)
-    except Exception:  # the whole timeline's read fails the same way, and says why
-        hints = None
-    if hints is None or hints.needed:  # a copy to write: the whole timeline says what it must hold
-        line = _timeline(space)
+        return _failed(exc), _tables(trace, StepHints(), verbose)
+    if hints.needed:  # a copy to write: the whole timeline says what it must hold
+        line = _rest(space, ev)
         del space
         return line, _tables(trace, line.hints, verbose)
     with ThreadPoolExecutor(1, thread_name_prefix="tfprofd-timeline") as pool:
-        read = pool.submit(_timeline, space)
+        read = pool.submit(_rest, space, ev)
         del space  # the thread's alone: freed when it is done
         tables = _tables(trace, hints, verbose)
         line = read.result()
@@ -174,11 +187,16 @@ def _read(trace: Path, verbose: bool) -> tuple[Timeline, Tables]:
     return line, tables
 
 
-def _timeline(space: XSpace) -> Timeline:
+def _failed(exc: Exception) -> Timeline:
+    return Timeline(steps=Steps([]), error=f"{type(exc).__name__}: {exc}")
+
+
+def _rest(space: XSpace, ev: Events) -> Timeline:
+    """The timeline, once the lines not read yet are."""
     try:
-        return timeline(space)
+        return timeline(read_events(space, only=the_rest, into=ev))
     except Exception as exc:  # an unreadable timeline must not hide what xprof could read
-        return Timeline(steps=Steps([]), error=f"{type(exc).__name__}: {exc}")
+        return _failed(exc)
 
 
 def _tables(trace: Path, hints: StepHints, verbose: bool) -> Tables:
