@@ -168,23 +168,30 @@ def _read(trace: Path, verbose: bool) -> tuple[Timeline, Tables]:
     converts that one again."""
     converter()  # imported first: an import holds the GIL, and would hold up xprof's start behind the timeline
     try:
-        space = load(trace)
-        ev = read_events(space, only=deciding)
-        hints = predicted_hints(ev)
+        space, ev, hints = _deciding_lines(trace)
     except Exception as exc:  # an unreadable timeline must not hide what xprof could read
-        return _failed(exc), _tables(trace, StepHints(), verbose)
-    if hints.needed:  # a copy to write: the whole timeline says what it must hold
-        line = _rest(space, ev)
-        del space
-        return line, _tables(trace, line.hints, verbose)
-    with ThreadPoolExecutor(1, thread_name_prefix="tfprofd-timeline") as pool:
-        read = pool.submit(_rest, space, ev)
-        del space  # the thread's alone: freed when it is done
-        tables = _tables(trace, hints, verbose)
-        line = read.result()
-    if line.hints != hints:
-        tables = _tables(trace, line.hints, verbose)
-    return line, tables
+        line = _failed(exc)
+    else:
+        if hints.needed:  # a copy to write: the whole timeline says what it must hold
+            line = _rest(space, ev)
+            del space, ev  # not held while xprof runs
+            return line, _tables(trace, line.hints, verbose)
+        with ThreadPoolExecutor(1, thread_name_prefix="tfprofd-timeline") as pool:
+            read = pool.submit(_rest, space, ev)
+            del space, ev  # the thread's alone: freed when it is done
+            tables = _tables(trace, hints, verbose)
+            line = read.result()
+        if line.hints != hints:
+            tables = _tables(trace, line.hints, verbose)
+        return line, tables
+    return line, _tables(trace, StepHints(), verbose)
+
+
+def _deciding_lines(trace: Path) -> tuple[XSpace, Events, StepHints]:
+    """The parsed trace, the events of its deciding lines, and the copy of it they say xprof needs."""
+    space = load(trace)
+    ev = read_events(space, only=deciding)
+    return space, ev, predicted_hints(ev)
 
 
 def _failed(exc: Exception) -> Timeline:
