@@ -216,14 +216,14 @@ def _space(calls: int, marker: str | None = None):
 
 
 def test_steps_are_inferred_only_from_a_repeated_tf_function_and_only_those_are_marked_for_xprof(tmp_path):
-    from tfprofd.daemon.analysis.timeline import find_steps, read_events
+    from tfprofd.daemon.analysis.timeline import find_steps, load, read_events
     from tfprofd.daemon.analysis.xprof import _rewritten
     from tfprofd.daemon.protos import xplane_pb2
 
     for calls, source in ((2, "none"), (3, "inferred")):
         trace = tmp_path / f"{calls}.xplane.pb"
         trace.write_bytes(_space(calls).SerializeToString())
-        steps = find_steps(read_events(trace))
+        steps = find_steps(read_events(load(trace)))
         assert (steps.source, len(steps.markers)) == (source, calls if source == "inferred" else 0), steps
     assert steps.function == "train_step" and "3 executions of tf.function 'train_step'" in steps.found
     marked = xplane_pb2.XSpace.FromString(_rewritten(trace.read_bytes(), False, False, "train_step"))
@@ -237,13 +237,13 @@ def test_steps_are_inferred_only_from_a_repeated_tf_function_and_only_those_are_
 
 
 def test_markers_without_r_are_steps_and_get_it_for_xprof(tmp_path):
-    from tfprofd.daemon.analysis.timeline import find_steps, read_events
+    from tfprofd.daemon.analysis.timeline import find_steps, load, read_events
     from tfprofd.daemon.analysis.xprof import _rewritten
     from tfprofd.daemon.protos import xplane_pb2
 
     trace = tmp_path / "pb.xplane.pb"
     trace.write_bytes(_space(4, marker="Profiled batch").SerializeToString())
-    steps = find_steps(read_events(trace))
+    steps = find_steps(read_events(load(trace)))
     assert steps.source == "host markers" and steps.unrooted and len(steps.markers) == 4, steps
     assert steps.found == "step markers ('Profiled batch', without _r=1)"
     plane = xplane_pb2.XSpace.FromString(_rewritten(trace.read_bytes(), False, True, None)).planes[0]

@@ -20,8 +20,15 @@ from __future__ import annotations
 import bisect
 import itertools
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .xprof import StepHints
+
+if TYPE_CHECKING:
+    from ..protos.xplane_pb2 import XSpace
 
 Interval = tuple[int, int]  # picoseconds on the trace's clock
 
@@ -123,13 +130,40 @@ class Timeline:
     def markers(self) -> list[Interval]:
         return self.steps.markers
 
+    @property
+    def hints(self) -> StepHints:
+        """What xprof's copy of the trace must say for xprof to find these steps."""
+        return StepHints(hide_loops=self.loops, root_markers=self.steps.unrooted, step_function=self.steps.function)
 
-def read_events(trace: Path) -> Events:
-    """Gather the events that matter from the trace's planes."""
+
+def load(trace: Path) -> XSpace:
+    """The trace's XSpace (raises whatever parsing the protobuf raises)."""
     from ..protos import xplane_pb2
 
-    space = xplane_pb2.XSpace.FromString(trace.read_bytes())
-    ev = Events()
+    return xplane_pb2.XSpace.FromString(trace.read_bytes())
+
+
+def deciding(plane: str, line: str) -> bool:
+    """The lines that say which steps a trace has, and so what xprof's copy needs (all but a few traces): the
+    host's threads but tf.data's (in an input-bound trace, nearly all of its events), and the GPUs' steps."""
+    return not line.startswith("tf_data") if plane.startswith("/host") else line == "Steps"
+
+
+def the_rest(plane: str, line: str) -> bool:
+    return not deciding(plane, line)
+
+
+def predicted_hints(ev: Events) -> StepHints:
+    """What xprof's copy of the trace will need, from the events of the deciding lines: the whole timeline's
+    hints, unless the only step markers, loops or tf.function calls that count are on tf.data's threads."""
+    steps = find_steps(ev)
+    return StepHints(hide_loops=ev.loops and steps.on_host, root_markers=steps.unrooted, step_function=steps.function)
+
+
+def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, into: Events | None = None) -> Events:
+    """Gather the events that matter from the trace's planes: those of the lines ``only(plane, line)`` keeps,
+    added to ``into`` (the same events as one pass over every line, whatever the order of the passes)."""
+    ev = Events() if into is None else into
     low, high = float("inf"), float("-inf")
     for plane in space.planes:
         names = {i: m.name for i, m in plane.event_metadata.items()}
@@ -152,6 +186,8 @@ def read_events(trace: Path) -> Events:
         kernels: list[tuple[int, int, str]] = []
         for line in plane.lines:
             base, line_name = line.timestamp_ns * 1000, line.name  # read once: each read makes a Python object
+            if only is not None and not only(plane.name, line_name):
+                continue
             compute_thread = host and line_name.startswith(LAUNCH_THREADS)
             data_thread = host and line_name.startswith("tf_data")
             thread = ev.threads.setdefault(line_name, []) if compute_thread else None
@@ -207,7 +243,8 @@ def read_events(trace: Path) -> Events:
                         device.kernels.append((start, end))
         _attach_kernels(sorted(plane_ops), kernels, ev.device_ops)
     if high >= low:
-        ev.low, ev.high = int(low), int(high)
+        ev.low = int(low) if ev.low is None else min(ev.low, int(low))
+        ev.high = int(high) if ev.high is None else max(ev.high, int(high))
     return ev
 
 
@@ -252,9 +289,8 @@ def _steps_per_marker(ev: Events, markers: list[Interval]) -> tuple[float, bool]
     return statistics.fmean(max(1, c) for c in counts), True
 
 
-def timeline(trace: Path) -> Timeline:
-    """Read the trace into a timeline (raises whatever reading the protobuf raises)."""
-    ev = read_events(trace)
+def timeline(ev: Events) -> Timeline:
+    """The timeline of the events gathered from every line of a trace."""
     steps = find_steps(ev)
     markers = steps.markers
     gaps = [(a[1], b[0]) for a, b in itertools.pairwise(markers) if b[0] > a[1]]

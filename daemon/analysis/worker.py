@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import bisect
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .classify import STRAGGLER, conclude, evidence, versus_xprof
 from .model import (
@@ -28,8 +29,37 @@ from .model import (
     StepTime,
     WorkerAnalysis,
 )
-from .timeline import DeviceEvents, Interval, Steps, Timeline, covered, merge, timeline
-from .xprof import AnalysisError, host_of, num, private_session, quiet, rows, steps_from_opstats, steps_from_table, tool
+from .timeline import (
+    DeviceEvents,
+    Events,
+    Interval,
+    Steps,
+    Timeline,
+    covered,
+    deciding,
+    load,
+    merge,
+    predicted_hints,
+    read_events,
+    the_rest,
+    timeline,
+)
+from .xprof import (
+    AnalysisError,
+    StepHints,
+    converter,
+    host_of,
+    num,
+    private_session,
+    quiet,
+    rows,
+    steps_from_opstats,
+    steps_from_table,
+    tool,
+)
+
+if TYPE_CHECKING:
+    from ..protos.xplane_pb2 import XSpace
 
 JUNK = ("", "dummy", "(null)", "None", "null")  # rows xprof fills with placeholders, not ops
 
@@ -86,20 +116,7 @@ def analyze_worker(trace: Path, verbose: bool = False) -> WorkerAnalysis:
         raise AnalysisError(f"cannot read {trace}: {exc.strerror}") from None
     if size < 1024:
         raise AnalysisError(f"{trace.name} is {size} bytes: an empty trace (the process was idle)")
-    try:
-        line = timeline(trace)
-    except Exception as exc:  # an unreadable timeline must not hide what xprof could read
-        line = Timeline(steps=Steps([]), error=f"{type(exc).__name__}: {exc}")
-    with private_session(trace, hide_loops=line.loops, root_markers=line.steps.unrooted,
-                         step_function=line.steps.function) as linked, quiet(verbose) as log_tail:
-        try:
-            overview = tool(linked, "overview_page")
-            pipeline = tool(linked, "input_pipeline_analyzer")
-            op_stats = tool(linked, "framework_op_stats")
-            kernels = tool(linked, "kernel_stats")
-        except AnalysisError as exc:
-            raise AnalysisError(f"{exc}{'; xprof said: ' + log_tail[-1] if log_tail else ''}") from None
-        steps = steps_from_opstats(linked.parent)
+    line, (overview, pipeline, op_stats, kernels, steps) = _read(trace, verbose)
     if steps is None:
         steps = steps_from_table(pipeline)
     per_marker = line.steps.per_marker  # xprof's steps are the markers: one execution of N steps each
@@ -137,6 +154,67 @@ def analyze_worker(trace: Path, verbose: bool = False) -> WorkerAnalysis:
         summary += f"; {len(w.idle_devices)} of {len(w.devices)} GPUs ran no kernels ({', '.join(w.idle_devices)})"
     return replace(w, bottleneck=verdict.kind, why=verdict.why, summary=summary,
                    recommendation=verdict.recommendation, xprof_differs=versus_xprof(w, verdict.kind))
+
+
+Tables = tuple[Any, Any, Any, Any, list[dict[str, float]] | None]  # xprof's four tools, and its OpStats' steps
+
+
+def _read(trace: Path, verbose: bool) -> tuple[Timeline, Tables]:
+    """The trace's timeline, and xprof's tables from the copy the timeline asks for.
+
+    The lines that decide the steps are read first: they say which copy xprof needs. Then xprof converts it
+    while a thread reads the other lines (xprof's conversion releases the GIL); where the whole timeline asks
+    for another copy after all (steps, loops or tf.function calls found only on tf.data's threads), xprof
+    converts that one again."""
+    converter()  # imported first: an import holds the GIL, and would hold up xprof's start behind the timeline
+    try:
+        space, ev, hints = _deciding_lines(trace)
+    except Exception as exc:  # an unreadable timeline must not hide what xprof could read
+        line = _failed(exc)
+    else:
+        if hints.needed:  # a copy to write: the whole timeline says what it must hold
+            line = _rest(space, ev)
+            del space, ev  # not held while xprof runs
+            return line, _tables(trace, line.hints, verbose)
+        with ThreadPoolExecutor(1, thread_name_prefix="tfprofd-timeline") as pool:
+            read = pool.submit(_rest, space, ev)
+            del space, ev  # the thread's alone: freed when it is done
+            tables = _tables(trace, hints, verbose)
+            line = read.result()
+        if line.hints != hints:
+            tables = _tables(trace, line.hints, verbose)
+        return line, tables
+    return line, _tables(trace, StepHints(), verbose)
+
+
+def _deciding_lines(trace: Path) -> tuple[XSpace, Events, StepHints]:
+    """The parsed trace, the events of its deciding lines, and the copy of it they say xprof needs."""
+    space = load(trace)
+    ev = read_events(space, only=deciding)
+    return space, ev, predicted_hints(ev)
+
+
+def _failed(exc: Exception) -> Timeline:
+    return Timeline(steps=Steps([]), error=f"{type(exc).__name__}: {exc}")
+
+
+def _rest(space: XSpace, ev: Events) -> Timeline:
+    """The timeline, once the lines not read yet are."""
+    try:
+        return timeline(read_events(space, only=the_rest, into=ev))
+    except Exception as exc:  # an unreadable timeline must not hide what xprof could read
+        return _failed(exc)
+
+
+def _tables(trace: Path, hints: StepHints, verbose: bool) -> Tables:
+    """xprof's four tools' data for the trace (its copy as ``hints`` say), and the steps of its OpStats."""
+    with private_session(trace, hints) as linked, quiet(verbose) as log_tail:
+        try:
+            tables = tuple(tool(linked, name) for name in ("overview_page", "input_pipeline_analyzer",
+                                                           "framework_op_stats", "kernel_stats"))
+        except AnalysisError as exc:
+            raise AnalysisError(f"{exc}{'; xprof said: ' + log_tail[-1] if log_tail else ''}") from None
+        return (*tables, steps_from_opstats(linked.parent))
 
 
 def _waits_in_loops(parts: StepParts, input_wait_ms: float | None) -> StepParts:

@@ -9,7 +9,9 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from .model import PART_TYPES
@@ -62,13 +64,26 @@ def quiet(verbose: bool) -> Iterator[list[str]]:
             tail.extend(sink.read().decode(errors="replace").splitlines()[-5:])
 
 
+@dataclass(frozen=True)
+class StepHints:
+    """What xprof's copy of a trace must say for xprof to find the steps the timeline finds (see private_session);
+    none: xprof reads the trace itself."""
+
+    hide_loops: bool = False
+    root_markers: bool = False
+    step_function: str | None = None
+
+    @property
+    def needed(self) -> bool:
+        return self.hide_loops or self.root_markers or self.step_function is not None
+
+
 @contextlib.contextmanager
-def private_session(trace: Path, hide_loops: bool = False, root_markers: bool = False,
-                    step_function: str | None = None) -> Iterator[Path]:
+def private_session(trace: Path, hints: StepHints) -> Iterator[Path]:
     """A fresh directory holding only a link to the trace: xprof caches per directory, so a folder of
     several traces would give every one the first one's answers, and the user's folder stays as it was.
 
-    Where xprof would not find the steps the timeline found, it gets a copy it can read them from:
+    Where xprof would not find the steps the timeline found, it gets a copy it can read them from (``hints``):
     ``hide_loops``: without the loop-iteration ids of TensorFlow's executor events. Where a trace has any TF
     while loop (Keras's steps_per_execution > 1 runs its steps in one, and so do some models), xprof takes
     every loop iteration for a step and ignores the step markers, finding no steps at all; without those
@@ -77,8 +92,9 @@ def private_session(trace: Path, hide_loops: bool = False, root_markers: bool = 
     that tf.function marked as a step (``_r=1``, ``step_num``), for traces without markers."""
     with tempfile.TemporaryDirectory(prefix="tfprofd-analysis-") as tmp:
         linked = Path(tmp) / trace.name
-        if hide_loops or root_markers or step_function:
-            linked.write_bytes(_rewritten(trace.read_bytes(), hide_loops, root_markers, step_function))
+        if hints.needed:
+            linked.write_bytes(_rewritten(trace.read_bytes(), hints.hide_loops, hints.root_markers,
+                                          hints.step_function))
         else:
             linked.symlink_to(trace.resolve())
         yield linked
@@ -118,12 +134,17 @@ def _rewritten(data: bytes, hide_loops: bool, root_markers: bool, step_function:
     return space.SerializeToString()
 
 
-def tool(trace: Path, name: str) -> Any:
-    """One xprof tool's data for the trace (its JSON)."""
+def converter() -> ModuleType:
+    """xprof's converter, imported on first use (the agent itself never loads xprof)."""
     from xprof.convert import raw_to_tool_data
 
+    return raw_to_tool_data
+
+
+def tool(trace: Path, name: str) -> Any:
+    """One xprof tool's data for the trace (its JSON)."""
     try:
-        data, _ = raw_to_tool_data.xspace_to_tool_data([str(trace)], name, {})
+        data, _ = converter().xspace_to_tool_data([str(trace)], name, {})
     except Exception as exc:  # xprof raises plain exceptions for some corrupt protobufs
         raise AnalysisError(f"cannot analyse {trace.name}: not a readable profile, corrupt or truncated "
                             f"({name}: {exc})") from None
