@@ -118,3 +118,22 @@ def test_a_reader_that_goes_away_ends_the_analysis_quietly(tmp_path, as_json):
     stderr = proc.stderr.read()
     assert proc.wait(timeout=120) == 141, stderr
     assert stderr == "", stderr  # no BrokenPipeError traceback, no "Exception ignored" at exit
+
+
+@pytest.mark.parametrize("where", ["_deciding_lines", "_rest"])
+def test_a_timeline_that_cannot_be_read_is_said_not_hidden(tmp_path, monkeypatch, where):
+    """Our own read of the trace fails (first pass, or the thread beside xprof): xprof's tables still give a
+    verdict, and the analysis says the timeline is missing from it, with why (it used to be dropped unsaid)."""
+    from tfprofd.daemon.analysis import worker
+    from tfprofd.daemon.analysis.model import WorkerAnalysis
+
+    def broken(*args):
+        raise RuntimeError("stat metadata 42 is missing")
+
+    monkeypatch.setattr(worker, where, broken)
+    trace = tmp_path / "localhost.xplane.pb"
+    trace.write_bytes(lzma.decompress((FIXTURES / "traces" / "plain-input_bottleneck.xplane.pb.xz").read_bytes()))
+    analysis = worker.analyze_worker(trace)
+    assert analysis.timeline_error == "RuntimeError: stat metadata 42 is missing"
+    assert "the trace's timeline could not be read (RuntimeError: stat metadata 42 is missing)" in analysis.summary
+    assert WorkerAnalysis.from_json(json.loads(json.dumps(analysis.to_json()))) == analysis

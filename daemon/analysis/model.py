@@ -358,6 +358,7 @@ class WorkerAnalysis:
     straggling_device: str | None = None
     devices_summary: str | None = None  # one sentence on the GPUs, where the worker has several
     launch: LaunchFacts | None = None
+    timeline_error: str | None = None  # why the trace's timeline could not be read: xprof's tables alone speak
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -382,6 +383,8 @@ class WorkerAnalysis:
         out.update({"devices": [d.to_json() for d in self.devices], "idle_devices": list(self.idle_devices),
                     "straggling_device": self.straggling_device, "devices_summary": self.devices_summary,
                     "launch": self.launch.to_json() if self.launch else None})
+        if self.timeline_error is not None:
+            out["timeline_error"] = self.timeline_error
         return out
 
     @classmethod
@@ -420,7 +423,8 @@ class WorkerAnalysis:
             idle_devices=_strs(data, "idle_devices"),
             straggling_device=data.get("straggling_device") if isinstance(data.get("straggling_device"), str) else None,
             devices_summary=data.get("devices_summary") if isinstance(data.get("devices_summary"), str) else None,
-            launch=LaunchFacts.from_json(data["launch"]) if data.get("launch") else None)
+            launch=LaunchFacts.from_json(data["launch"]) if data.get("launch") else None,
+            timeline_error=data.get("timeline_error") if isinstance(data.get("timeline_error"), str) else None)
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,10 @@ def analyze_worker(trace: Path, verbose: bool = False) -> WorkerAnalysis:
     verdict, summary = conclude(w)
     if len(w.devices) > 1 and w.idle_devices:
         summary += f"; {len(w.idle_devices)} of {len(w.devices)} GPUs ran no kernels ({', '.join(w.idle_devices)})"
-    return replace(w, bottleneck=verdict.kind, why=verdict.why, summary=summary,
+    if line.error is not None:
+        summary += (f"; the trace's timeline could not be read ({line.error[:200]}): steps and their parts come "
+                    "from xprof's tables alone")
+    return replace(w, bottleneck=verdict.kind, why=verdict.why, summary=summary, timeline_error=line.error,
                    recommendation=verdict.recommendation, xprof_differs=versus_xprof(w, verdict.kind))
 
 
@@ -173,15 +176,15 @@ def _read(trace: Path, verbose: bool) -> tuple[Timeline, Tables]:
         line = _failed(exc)
     else:
         if hints.needed:  # a copy to write: the whole timeline says what it must hold
-            line = _rest(space, ev)
+            line = _rest_or_failed(space, ev)
             del space, ev  # not held while xprof runs
             return line, _tables(trace, line.hints, verbose)
         with ThreadPoolExecutor(1, thread_name_prefix="tfprofd-timeline") as pool:
-            read = pool.submit(_rest, space, ev)
+            read = pool.submit(_rest_or_failed, space, ev)
             del space, ev  # the thread's alone: freed when it is done
             tables = _tables(trace, hints, verbose)
             line = read.result()
-        if line.hints != hints:
+        if line.error is None and line.hints != hints:
             tables = _tables(trace, line.hints, verbose)
         return line, tables
     return line, _tables(trace, StepHints(), verbose)
@@ -192,6 +195,13 @@ def _deciding_lines(trace: Path) -> tuple[XSpace, Events, StepHints]:
     space = load(trace)
     ev = read_events(space, only=deciding)
     return space, ev, predicted_hints(ev)
+
+
+def _rest_or_failed(space: XSpace, ev: Events) -> Timeline:
+    try:
+        return _rest(space, ev)
+    except Exception as exc:  # an unreadable timeline must not hide what xprof could read
+        return _failed(exc)
 
 
 def _failed(exc: Exception) -> Timeline:
