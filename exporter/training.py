@@ -18,6 +18,7 @@ after ``stale_after``; the job reads down after ``down_after`` and is forgotten 
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import itertools
 import json
@@ -211,6 +212,7 @@ TCP_LISTEN = 0x0A
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
+@functools.lru_cache(maxsize=4096)  # a datagram's source address, parsed again for every report otherwise
 def _ip(text: str) -> Address | None:
     try:
         address = ipaddress.ip_address(text.strip("[]"))
@@ -235,6 +237,7 @@ class ProcSocket:
     uid: int
 
 
+@functools.lru_cache(maxsize=4096)
 def _hex_address(text: str) -> Address:
     raw = bytes.fromhex(text)
     if len(raw) == 4:
@@ -284,28 +287,100 @@ class _Rate:
         return max(self._last, float(self._count))
 
 
+_NLMSG = struct.Struct("=IHHII")  # struct nlmsghdr: length, type, flags, seq, pid
+_DIAG_REQUEST = struct.Struct("=BBBxI48x")  # struct inet_diag_req_v2: family, protocol, ext, states, id (any)
+_DIAG_MESSAGE = struct.Struct("=BBxxH2x16s40xI4x")  # struct inet_diag_msg: family, state, sport, src, uid
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_DUMP_REQUEST = 0x301  # NLM_F_REQUEST | NLM_F_DUMP
+_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+
+
+_DiagEntry = tuple[int, int, bytes, int]  # family, state, local address, uid: a ProcSocket once asked for
+
+
+def diag_udp_sockets() -> dict[int, list[_DiagEntry]]:
+    """The agent's network namespace's UDP sockets (IPv4 and IPv6), by local port, as the kernel's sock_diag
+    lists them over netlink: what /proc/net/udp{,6} says, without formatting and parsing text (a third of
+    the cost with a thousand sockets). Raises OSError where the kernel does not answer (no udp_diag module,
+    netlink refused by a sandbox)."""
+    found: dict[int, list[_DiagEntry]] = {}
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+        for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), 1):
+            request = _DIAG_REQUEST.pack(family, socket.IPPROTO_UDP, 0, 0xFFFFFFFF)
+            nl.send(_NLMSG.pack(_NLMSG.size + len(request), SOCK_DIAG_BY_FAMILY, _NLM_F_DUMP_REQUEST, seq, 0)
+                    + request)
+            while not _diag_part(nl.recv(1 << 16), seq, found):
+                pass
+    return found
+
+
+def _diag_part(data: bytes, seq: int, found: dict[int, list[_DiagEntry]]) -> bool:
+    """Add one netlink read's sockets to ``found``; whether the dump is complete."""
+    offset = 0
+    while offset + _NLMSG.size <= len(data):
+        length, kind, _, got_seq, _ = _NLMSG.unpack_from(data, offset)
+        if length < _NLMSG.size:
+            raise OSError(errno.EPROTO, "malformed netlink message from sock_diag")
+        if got_seq == seq:
+            if kind == _NLMSG_DONE:
+                return True
+            if kind == _NLMSG_ERROR:
+                code = -struct.unpack_from("=i", data, offset + _NLMSG.size)[0]
+                raise OSError(code, f"sock_diag refused the UDP dump: {os.strerror(code)}")
+            if kind == SOCK_DIAG_BY_FAMILY and length >= _NLMSG.size + _DIAG_MESSAGE.size:
+                family, state, port, src, uid = _DIAG_MESSAGE.unpack_from(data, offset + _NLMSG.size)
+                found.setdefault(socket.ntohs(port), []).append((family, state, src, uid))
+        offset += (length + 3) & ~3
+    return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _diag_address(family: int, raw: bytes) -> Address | None:
+    if family == socket.AF_INET:
+        return ipaddress.IPv4Address(raw[:4])
+    if family == socket.AF_INET6:
+        address = ipaddress.IPv6Address(raw)
+        return address.ipv4_mapped or address
+    return None
+
+
 class UdpTable:
     """The agent's network namespace's UDP sockets (/proc/self/net/udp and udp6), indexed by local port: a
     batch of datagrams drained from the socket shares one read. With a thousand reporting sockets a read costs
     about 2 ms, so reading it for every report cost more than a core at 1,000 reports a second (issue 24).
+    The agent's own namespace is asked over netlink (``diag_udp_sockets``), where the kernel answers.
 
     A read is always made after the datagrams it vouches for were received (a socket listed before a datagram
     came may have closed, and its port been bound by someone else, by then). The batch's first datagrams are
     handled as soon as they are in, since a job's last report comes as it exits and its sockets close with it;
     those gathered after them (``received_more``) share one more read."""
 
+    diag_problem: ClassVar[str | None] = None  # why netlink did not answer (then /proc is read from then on)
+
     def __init__(self, own_proc: Path = OWN_PROC):
         self._own_proc = own_proc
         self._lines: dict[int, list[str]] | None = None
+        self._diag: dict[int, list[_DiagEntry]] | None = None
 
     def received_more(self) -> None:
         """More datagrams were received since the table was read: the next lookup reads it again."""
-        self._lines = None
+        self._lines = self._diag = None
 
     def on_port(self, port: int) -> list[ProcSocket]:
-        if self._lines is None:
-            self._lines = self._read()
-        found = (_parse_socket_line(line) for line in self._lines.get(port, ()))
+        if self._lines is None and self._diag is None:
+            if self._own_proc == OWN_PROC and UdpTable.diag_problem is None:
+                try:
+                    self._diag = diag_udp_sockets()
+                except OSError as exc:
+                    UdpTable.diag_problem = str(exc)
+                    log.info("UDP senders are identified from /proc/net/udp (sock_diag: %s)", exc)
+            if self._diag is None:
+                self._lines = self._read()
+        if self._diag is not None:
+            found = ((_diag_address(family, src), state, uid) for family, state, src, uid in self._diag.get(port, ()))
+            return [ProcSocket(address, port, state, uid) for address, state, uid in found if address is not None]
+        found = (_parse_socket_line(line) for line in (self._lines or {}).get(port, ()))
         return [s for s in found if s is not None and s.port == port]
 
     def _read(self) -> dict[int, list[str]]:
