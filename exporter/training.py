@@ -20,9 +20,9 @@ from __future__ import annotations
 import errno
 import functools
 import ipaddress
-import itertools
 import json
 import logging
+import operator
 import os
 import re
 import select
@@ -179,9 +179,10 @@ def parse_report(payload: bytes, max_bytes: int) -> Report:
     if not isinstance(step, dict):
         raise Rejected("invalid_field", "step_seconds must be an object")
     buckets = step.get("buckets")
-    if (not isinstance(buckets, list) or len(buckets) != len(STEP_BUCKETS)
-            or any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= _MAX_COUNT for b in buckets)
-            or any(a > b for a, b in itertools.pairwise(buckets))):
+    # in C calls, not a Python loop per bucket (1,000 reports a second, issue 24): JSON's only int type is int
+    # (a bool's is bool), and counts that never decrease are all within 0..2^53 when the first and last are
+    if (not isinstance(buckets, list) or len(buckets) != len(STEP_BUCKETS) or not set(map(type, buckets)) <= {int}
+            or not all(map(operator.le, buckets, buckets[1:])) or not 0 <= buckets[0] <= buckets[-1] <= _MAX_COUNT):
         raise Rejected("invalid_field", f"step_seconds.buckets must be {len(STEP_BUCKETS)} non-decreasing counts")
     step_count = _int(step, "count")
     if buckets[-1] > step_count:
@@ -908,7 +909,7 @@ class TrainingCollector(Collector):
             if (report.steps < previous.steps or report.samples < previous.samples
                     or report.skipped_steps < previous.skipped_steps
                     or report.step_count < previous.step_count or report.step_sum < previous.step_sum
-                    or any(a < b for a, b in zip(report.step_buckets, previous.step_buckets, strict=True))):
+                    or any(map(operator.lt, report.step_buckets, previous.step_buckets))):  # both as many
                 raise Rejected("counter_decreased", f"counters went backwards within pid {report.pid}")
             if report.profiler != previous.profiler:
                 process.profiler = check_profiler(report, sender, self.env)
@@ -978,9 +979,6 @@ class TrainingCollector(Collector):
             self._sampled = self._freeze(now)
         return True
 
-    def _fresh(self, process: ProcessState, now: float) -> bool:
-        return now - process.last_seen <= RATE_STALE_SECONDS
-
     def configure(self, settings: HookSettings) -> None:
         super().configure(settings)
         with self._lock:
@@ -1007,37 +1005,53 @@ class TrainingCollector(Collector):
                         TrainingProcesses(tuple(views)))
 
     def _freeze_job(self, series: tuple[str, str], state: JobState, now: float, wall: float) -> _Frozen:
+        """One job's part of a sample, in one pass over its processes: 1,000 jobs that report every second
+        are all frozen again at every sample (issue 24)."""
         job, worker = series
-        live = sorted(state.processes.values(), key=lambda p: p.latest.time)
-        training = [p for p in live if p.latest.phase == "train" and self._fresh(p, now)]
-        rates = [p.samples_per_second for p in training if p.samples_per_second is not None]
+        live = list(state.processes.values())
+        if len(live) > 1:
+            live.sort(key=_report_time)
+        rates, steps, waiting, thresholds = [], [], [], []
+        for p in live:
+            report = p.latest
+            if now - p.last_seen <= RATE_STALE_SECONDS:  # fresh: it counts as training and has a rate
+                thresholds.append(p.last_seen + RATE_STALE_SECONDS)
+                if report.phase == "train":
+                    if p.samples_per_second is not None:
+                        rates.append(p.samples_per_second)
+                    if p.recent_step_seconds is not None:
+                        steps.append(p.recent_step_seconds)
+            if report.first_step_seconds is None:
+                waiting.append(wall - report.process_start)
         newest = live[-1].latest if live else None
         up = now - state.last_seen <= self.settings.down_after
+        if len(live) == 1:
+            epoch, phase, profilers = newest.epoch, newest.phase, (live[0].profiler or "",)
+        else:
+            epoch = max(p.latest.epoch for p in live) if live else None
+            phase = _phase(live) if live else None
+            profilers = tuple(sorted({p.profiler or "" for p in live}))
         row = _Row(key=series, totals=state.totals(), processes=len(live), up=up,
                    rate=sum(rates) if rates else None, batch_size=newest.batch_size if newest else None,
-                   epoch=max(p.latest.epoch for p in live) if live else None,
-                   phase=_phase(live) if live else None,
-                   first_step_seconds=newest.first_step_seconds if newest else None,
-                   profilers=tuple(sorted({p.profiler or "" for p in live})))
+                   epoch=epoch, phase=phase, first_step_seconds=newest.first_step_seconds if newest else None,
+                   profilers=profilers)
         signals: list[tuple[str, float]] = []
         if rates:
             signals.append(("samples_per_second", sum(rates)))
-        steps = [p.recent_step_seconds for p in training if p.recent_step_seconds is not None]
         if steps:
             signals.append(("step_seconds", sum(steps) / len(steps)))
-        waiting = [wall - p.latest.process_start for p in live if p.latest.first_step_seconds is None]
         if waiting:
             signals.append(("seconds_without_first_step", max(waiting)))
         views = []
         for p in state.processes.values():
-            fresh = self._fresh(p, now)
-            views.append(ProcessView(job, worker, p.latest.pid, p.key[0] == "local", p.latest.phase,
-                                     p.latest.phase == "train" and fresh, p.profiler,
-                                     p.samples_per_second if fresh else None, p.latest.batch_size or p.recent_batch,
+            report = p.latest
+            fresh = now - p.last_seen <= RATE_STALE_SECONDS
+            views.append(ProcessView(job, worker, report.pid, p.key[0] == "local", report.phase,
+                                     report.phase == "train" and fresh, p.profiler,
+                                     p.samples_per_second if fresh else None, report.batch_size or p.recent_batch,
                                      p.pid_verified))
         # when time alone changes this part: a fresh process goes quiet, the job goes down; a process
         # still waiting for its first step reports a wall-clock age, so it is refrozen every sample
-        thresholds = [p.last_seen + RATE_STALE_SECONDS for p in live if self._fresh(p, now)]
         if up:
             thresholds.append(state.last_seen + self.settings.down_after)
         until = now if waiting else min(thresholds, default=float("inf"))
@@ -1152,6 +1166,10 @@ def _job_lines(row: _Row) -> list[str]:
         + f"{_INF_LE}{labels}{count}\n{_P}step_duration_seconds_count{{{labels}{count}\n"
         f"{_P}step_duration_seconds_sum{{{labels}{go_float(totals.step_sum)}\n",
     ]
+
+
+def _report_time(process: ProcessState) -> float:
+    return process.latest.time
 
 
 def _phase(live: list[ProcessState]) -> str:
