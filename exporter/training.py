@@ -307,6 +307,7 @@ def diag_udp_sockets() -> dict[int, list[_DiagEntry]]:
     netlink refused by a sandbox)."""
     found: dict[int, list[_DiagEntry]] = {}
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+        nl.settimeout(2.0)  # the kernel answers at once; never hang the listener on it (then /proc is read)
         for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), 1):
             request = _DIAG_REQUEST.pack(family, socket.IPPROTO_UDP, 0, 0xFFFFFFFF)
             nl.send(_NLMSG.pack(_NLMSG.size + len(request), SOCK_DIAG_BY_FAMILY, _NLM_F_DUMP_REQUEST, seq, 0)
