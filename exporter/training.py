@@ -25,7 +25,6 @@ import logging
 import operator
 import os
 import re
-import select
 import selectors
 import socket
 import stat
@@ -60,6 +59,7 @@ FOLDED_KEPT = 64  # processes per job whose counters were folded in, remembered 
 NEW_JOB_LOGS_PER_MINUTE = 20
 REFUSED_LOGS_PER_MINUTE = 20
 UDP_GATHER_SECONDS = 0.25  # a UDP report waits at most this long for others to share its socket-table read
+UDP_GATHER_STEP = 0.02  # s: a gathering drains the socket this often (its buffer holds far more than that)
 UDP_GATHER_RATE = 100.0  # UDP reports a second from which they are gathered (below it, each burst is read alone)
 UDP_BATCH = 1024  # datagrams at most in one batch
 UDP_BATCH_BYTES = 1 << 20  # and bytes (a flood of 64 KiB datagrams holds no more than the socket's buffer)
@@ -814,19 +814,21 @@ class TrainingCollector(Collector):
         2 ms read of the socket table for each (13% of a core). Reports wait at most that long; the sampler
         reads them once an interval anyway. The price: a job's last report gathered after its process exited
         (its socket closed) cannot be verified and is refused (``unverified_sender``), so below that rate
-        nothing is gathered."""
+        nothing is gathered. The socket is drained every ``UDP_GATHER_STEP``, not as each datagram comes: jobs
+        at their own phases woke the loop for every one (a wait, a read and a read that found none each)."""
         deadline = time.monotonic() + UDP_GATHER_SECONDS
         size = sum(len(payload) for payload, _ in batch)
-        while len(batch) < UDP_BATCH and size < UDP_BATCH_BYTES and not self._stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([sock], [], [], left)[0]:
-                break
+        while True:
             more = self._drain(sock, UDP_BATCH - len(batch))
             if more is None:
                 return None
             batch += more
             size += sum(len(payload) for payload, _ in more)
-        return batch
+            left = deadline - time.monotonic()
+            if len(batch) >= UDP_BATCH or size >= UDP_BATCH_BYTES or left <= 0:
+                return batch
+            if self._stop.wait(min(left, UDP_GATHER_STEP)):
+                return batch
 
     def _recv(self, sock: socket.socket) -> tuple[bytes, Sender]:
         if sock.family == socket.AF_UNIX:
