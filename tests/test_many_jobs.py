@@ -311,17 +311,18 @@ def test_the_kernels_socket_list_tells_each_users_udp_sender_apart():
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
     try:
         v4_port, v6_port = map(int, other.stdout.readline().split())
-        table = UdpTable()
-        assert identify_udp_sender("127.0.0.1", v4_port, table=table).uid == 65534
-        assert identify_udp_sender("::1", v6_port, table=table).uid == 65534  # bound to every address
-        assert identify_udp_sender("::1", own.getsockname()[1], table=table).uid == 0
-        with pytest.raises(Rejected) as info:
-            identify_udp_sender("127.0.0.1", shared_port, table=table)
-        assert info.value.reason == "unverified_sender" and "several users ([0, 65534])" in str(info.value)
-        assert UdpTable.diag_problem is None  # the kernel answered: no text table was read
-        listed = [s for name in ("udp", "udp6") for s in parse_proc_net(Path(f"/proc/self/net/{name}").read_text())]
-        for port in (v4_port, v6_port, own.getsockname()[1], shared_port):
-            assert sorted(map(repr, table.on_port(port))) == sorted(repr(s) for s in listed if s.port == port)
+        for table in (UdpTable(), UdpTable(lookups=1)):  # every socket listed, or (a few datagrams) one port's
+            assert identify_udp_sender("127.0.0.1", v4_port, table=table).uid == 65534
+            assert identify_udp_sender("::1", v6_port, table=table).uid == 65534  # bound to every address
+            assert identify_udp_sender("::1", own.getsockname()[1], table=table).uid == 0
+            with pytest.raises(Rejected) as info:
+                identify_udp_sender("127.0.0.1", shared_port, table=table)
+            assert info.value.reason == "unverified_sender" and "several users ([0, 65534])" in str(info.value)
+            assert UdpTable.diag_problem is None  # the kernel answered: no text table was read
+            listed = [s for name in ("udp", "udp6")
+                      for s in parse_proc_net(Path(f"/proc/self/net/{name}").read_text())]
+            for port in (v4_port, v6_port, own.getsockname()[1], shared_port, 1):
+                assert sorted(map(repr, table.on_port(port))) == sorted(repr(s) for s in listed if s.port == port)
     finally:
         other.communicate("\n", timeout=10)
         shared.close()
@@ -334,7 +335,7 @@ def test_without_the_kernels_socket_list_senders_are_identified_from_proc(monkey
 
     from tfprofd.exporter import training
 
-    def refused() -> None:
+    def refused(port: int | None = None) -> None:
         raise OSError(errno.EPROTONOSUPPORT, "Protocol not supported")
 
     monkeypatch.setattr(training, "diag_udp_sockets", refused)
