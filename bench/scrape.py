@@ -13,7 +13,8 @@ The jobs report from another process (as training processes do), so the measurin
 
 Targets: 20 jobs: tfprofd's p99 at most 1/5 of node_exporter's (each way); RSS ≤ 35 MiB; CPU < 1% of a
 core unscraped. 1,000 jobs: Prometheus's scrape p99 ≤ 1.5× the static server's, ``up`` never 0, kept-alive
-p99 ≤ node_exporter's, CPU ≤ 5% of a core. ``--quick``: tiny sizes and durations, no targets (CI).
+p99 ≤ node_exporter's, CPU ≤ 5% of a core. ``--quick``: tiny sizes and durations, no targets (CI);
+``--spread``: the jobs report at their own phases over each second, as real ones do (one burst otherwise).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from common import cpu_seconds, percentile, rss_bytes, start_agent, start_node_e
 from helpers import free_port, metric_value, start_prometheus
 
 QUICK = "--quick" in sys.argv
+SPREAD = "--spread" in sys.argv  # the jobs report at their own phases over each second (as real ones do), not at once
 SCRAPES = 5 if QUICK else 300
 FEW, MANY = (2, 4) if QUICK else (20, 1000)  # reporting jobs; 1,000 is hook.max_jobs
 SCALING = () if QUICK else (10, 100)  # more sizes for the scaling table, beside FEW and MANY
@@ -73,8 +75,9 @@ def latencies(port_a: int, port_b: int, kept_alive: bool) -> tuple[list[float], 
     return a, b
 
 
-def report_forever(hook_port: int, jobs: int, stop_event: threading.Event) -> None:
-    """``jobs`` jobs reporting once a second, as hooks do (run in a process of its own)."""
+def report_forever(hook_port: int, jobs: int, stop_event: threading.Event, spread: bool = False) -> None:
+    """``jobs`` jobs reporting once a second, as hooks do (run in a process of its own): in one burst, or
+    (``spread``) each at its own phase."""
     from tfprofd.exporter.hook import Reporter
 
     reporters = [Reporter(job=f"job{i:04d}", worker="0", profiler=False, addr=f"127.0.0.1:{hook_port}")
@@ -83,7 +86,9 @@ def report_forever(hook_port: int, jobs: int, stop_event: threading.Event) -> No
         r.batch_size, r.phase = 64, "train"
     next_round = time.monotonic()
     while not stop_event.is_set():
-        for r in reporters:
+        for i, r in enumerate(reporters):
+            if spread:
+                stop_event.wait(max(next_round + i / jobs - time.monotonic(), 0))
             r.record(25, 25 * 64, 0.5)
             r.flush()
         next_round += 1.0
@@ -171,7 +176,8 @@ def measure(jobs: int) -> dict[str, float]:
         node, node_port = start_node_exporter()
         context = multiprocessing.get_context("spawn")
         stop_event = context.Event()
-        reporting = context.Process(target=report_forever, args=(hook_port, jobs, stop_event), daemon=True)
+        reporting = context.Process(target=report_forever, args=(hook_port, jobs, stop_event, SPREAD),
+                                    daemon=True)
         reporting.start()
         try:
             wait_jobs(agent_port, jobs)

@@ -133,6 +133,17 @@ class JobRegistry:
         with self._lock:
             return [p for p in self._processes if p.job == job]
 
+    def local_pids(self) -> dict[str, list[int]]:
+        """Each job's pids that reported over the local socket (the kernel vouched for them), sorted; jobs with
+        none are left out. One pass: asking ``processes`` job by job scanned every process for every job."""
+        with self._lock:
+            processes = self._processes
+        pids: dict[str, list[int]] = {}
+        for p in processes:
+            if p.local:
+                pids.setdefault(p.job, []).append(p.pid)
+        return {job: sorted(found) for job, found in pids.items()}
+
     def jobs(self) -> set[str]:
         with self._lock:
             return {p.job for p in self._processes}

@@ -18,13 +18,13 @@ after ``stale_after``; the job reads down after ``down_after`` and is forgotten 
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
-import itertools
 import json
 import logging
+import operator
 import os
 import re
-import select
 import selectors
 import socket
 import stat
@@ -59,6 +59,7 @@ FOLDED_KEPT = 64  # processes per job whose counters were folded in, remembered 
 NEW_JOB_LOGS_PER_MINUTE = 20
 REFUSED_LOGS_PER_MINUTE = 20
 UDP_GATHER_SECONDS = 0.25  # a UDP report waits at most this long for others to share its socket-table read
+UDP_GATHER_STEP = 0.02  # s: a gathering drains the socket this often (its buffer holds far more than that)
 UDP_GATHER_RATE = 100.0  # UDP reports a second from which they are gathered (below it, each burst is read alone)
 UDP_BATCH = 1024  # datagrams at most in one batch
 UDP_BATCH_BYTES = 1 << 20  # and bytes (a flood of 64 KiB datagrams holds no more than the socket's buffer)
@@ -178,9 +179,10 @@ def parse_report(payload: bytes, max_bytes: int) -> Report:
     if not isinstance(step, dict):
         raise Rejected("invalid_field", "step_seconds must be an object")
     buckets = step.get("buckets")
-    if (not isinstance(buckets, list) or len(buckets) != len(STEP_BUCKETS)
-            or any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= _MAX_COUNT for b in buckets)
-            or any(a > b for a, b in itertools.pairwise(buckets))):
+    # in C calls, not a Python loop per bucket (1,000 reports a second, issue 24): JSON's only int type is int
+    # (a bool's is bool), and counts that never decrease are all within 0..2^53 when the first and last are
+    if (not isinstance(buckets, list) or len(buckets) != len(STEP_BUCKETS) or not set(map(type, buckets)) <= {int}
+            or not all(map(operator.le, buckets, buckets[1:])) or not 0 <= buckets[0] <= buckets[-1] <= _MAX_COUNT):
         raise Rejected("invalid_field", f"step_seconds.buckets must be {len(STEP_BUCKETS)} non-decreasing counts")
     step_count = _int(step, "count")
     if buckets[-1] > step_count:
@@ -211,6 +213,7 @@ TCP_LISTEN = 0x0A
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
+@functools.lru_cache(maxsize=4096)  # a datagram's source address, parsed again for every report otherwise
 def _ip(text: str) -> Address | None:
     try:
         address = ipaddress.ip_address(text.strip("[]"))
@@ -235,6 +238,7 @@ class ProcSocket:
     uid: int
 
 
+@functools.lru_cache(maxsize=4096)
 def _hex_address(text: str) -> Address:
     raw = bytes.fromhex(text)
     if len(raw) == 4:
@@ -284,28 +288,118 @@ class _Rate:
         return max(self._last, float(self._count))
 
 
+_NLMSG = struct.Struct("=IHHII")  # struct nlmsghdr: length, type, flags, seq, pid
+_DIAG_REQUEST = struct.Struct("=BBBxI48x")  # struct inet_diag_req_v2: family, protocol, ext, states, id (any)
+_DIAG_MESSAGE = struct.Struct("=BBxxH2x16s40xI4x")  # struct inet_diag_msg: family, state, sport, src, uid
+_BYTECODE_OP = struct.Struct("=BBH")  # struct inet_diag_bc_op: code, yes, no (a port operand: 0, 0, port)
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+INET_DIAG_REQ_BYTECODE = 1
+INET_DIAG_BC_S_GE, INET_DIAG_BC_S_LE = 2, 3
+PORT_LOOKUPS = 4  # a batch of at most this many datagrams asks the kernel for each one's port, not for every socket
+_NLM_F_DUMP_REQUEST = 0x301  # NLM_F_REQUEST | NLM_F_DUMP
+_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+
+
+_DiagEntry = tuple[int, int, bytes, int]  # family, state, local address, uid: a ProcSocket once asked for
+
+
+def diag_udp_sockets(port: int | None = None) -> dict[int, list[_DiagEntry]]:
+    """The agent's network namespace's UDP sockets (IPv4 and IPv6), by local port, as the kernel's sock_diag
+    lists them over netlink: what /proc/net/udp{,6} says, without formatting and parsing text (a third of
+    the cost with a thousand sockets); with ``port``, only those bound to it (the kernel filters them: a
+    tenth of the cost again). Raises OSError where the kernel does not answer (no udp_diag module, netlink
+    refused by a sandbox)."""
+    found: dict[int, list[_DiagEntry]] = {}
+    if port is None:
+        only = b""
+    else:  # local port >= port, then <= port: "yes" goes on to the next test, "no" jumps past the end (refused)
+        tests = (_BYTECODE_OP.pack(INET_DIAG_BC_S_GE, 8, 20) + _BYTECODE_OP.pack(0, 0, port)
+                 + _BYTECODE_OP.pack(INET_DIAG_BC_S_LE, 8, 12) + _BYTECODE_OP.pack(0, 0, port))
+        only = struct.pack("=HH", 4 + len(tests), INET_DIAG_REQ_BYTECODE) + tests
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+        nl.settimeout(2.0)  # the kernel answers at once; never hang the listener on it (then /proc is read)
+        for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), 1):
+            request = _DIAG_REQUEST.pack(family, socket.IPPROTO_UDP, 0, 0xFFFFFFFF) + only
+            nl.send(_NLMSG.pack(_NLMSG.size + len(request), SOCK_DIAG_BY_FAMILY, _NLM_F_DUMP_REQUEST, seq, 0)
+                    + request)
+            while not _diag_part(nl.recv(1 << 16), seq, found):
+                pass
+    return found
+
+
+def _diag_part(data: bytes, seq: int, found: dict[int, list[_DiagEntry]]) -> bool:
+    """Add one netlink read's sockets to ``found``; whether the dump is complete."""
+    offset = 0
+    while offset + _NLMSG.size <= len(data):
+        length, kind, _, got_seq, _ = _NLMSG.unpack_from(data, offset)
+        if length < _NLMSG.size:
+            raise OSError(errno.EPROTO, "malformed netlink message from sock_diag")
+        if got_seq == seq:
+            if kind == _NLMSG_DONE:
+                return True
+            if kind == _NLMSG_ERROR:
+                code = -struct.unpack_from("=i", data, offset + _NLMSG.size)[0]
+                raise OSError(code, f"sock_diag refused the UDP dump: {os.strerror(code)}")
+            if kind == SOCK_DIAG_BY_FAMILY and length >= _NLMSG.size + _DIAG_MESSAGE.size:
+                family, state, port, src, uid = _DIAG_MESSAGE.unpack_from(data, offset + _NLMSG.size)
+                found.setdefault(socket.ntohs(port), []).append((family, state, src, uid))
+        offset += (length + 3) & ~3
+    return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _diag_address(family: int, raw: bytes) -> Address | None:
+    if family == socket.AF_INET:
+        return ipaddress.IPv4Address(raw[:4])
+    if family == socket.AF_INET6:
+        address = ipaddress.IPv6Address(raw)
+        return address.ipv4_mapped or address
+    return None
+
+
 class UdpTable:
     """The agent's network namespace's UDP sockets (/proc/self/net/udp and udp6), indexed by local port: a
     batch of datagrams drained from the socket shares one read. With a thousand reporting sockets a read costs
     about 2 ms, so reading it for every report cost more than a core at 1,000 reports a second (issue 24).
+    The agent's own namespace is asked over netlink (``diag_udp_sockets``), where the kernel answers.
 
     A read is always made after the datagrams it vouches for were received (a socket listed before a datagram
     came may have closed, and its port been bound by someone else, by then). The batch's first datagrams are
     handled as soon as they are in, since a job's last report comes as it exits and its sockets close with it;
     those gathered after them (``received_more``) share one more read."""
 
-    def __init__(self, own_proc: Path = OWN_PROC):
-        self._own_proc = own_proc
-        self._lines: dict[int, list[str]] | None = None
+    diag_problem: ClassVar[str | None] = None  # why netlink did not answer (then /proc is read from then on)
 
-    def received_more(self) -> None:
+    def __init__(self, own_proc: Path = OWN_PROC, lookups: int | None = None):
+        """``lookups``: how many datagrams the table will be asked about, if known (a few ask the kernel for
+        their ports alone, ``PORT_LOOKUPS``)."""
+        self._own_proc = own_proc
+        self._lookups = lookups
+        self._lines: dict[int, list[str]] | None = None
+        self._diag: dict[int, list[_DiagEntry]] | None = None
+
+    def received_more(self, lookups: int | None = None) -> None:
         """More datagrams were received since the table was read: the next lookup reads it again."""
-        self._lines = None
+        self._lines = self._diag = None
+        self._lookups = lookups
 
     def on_port(self, port: int) -> list[ProcSocket]:
-        if self._lines is None:
-            self._lines = self._read()
-        found = (_parse_socket_line(line) for line in self._lines.get(port, ()))
+        few = self._lookups is not None and self._lookups <= PORT_LOOKUPS
+        if self._lines is None and (self._diag is None or few):
+            self._diag = None
+            if self._own_proc == OWN_PROC and UdpTable.diag_problem is None:
+                try:
+                    self._diag = diag_udp_sockets(port if few else None)  # read now: after the datagram came
+                except OSError as exc:
+                    UdpTable.diag_problem = str(exc)
+                    log.info("UDP senders are identified from /proc/net/udp (sock_diag: %s)", exc)
+            if self._diag is None:
+                self._lines = self._read()
+        if self._diag is not None:
+            found = ((_diag_address(family, src), state, uid) for family, state, src, uid in self._diag.get(port, ()))
+            return [ProcSocket(address, port, state, uid) for address, state, uid in found if address is not None]
+        found = (_parse_socket_line(line) for line in (self._lines or {}).get(port, ()))
         return [s for s in found if s is not None and s.port == port]
 
     def _read(self) -> dict[int, list[str]]:
@@ -704,7 +798,7 @@ class TrainingCollector(Collector):
                 batch = self._drain(sock, 256)  # at most this many, so the stop flag is seen under a flood
                 if batch is None:
                     return
-                table = UdpTable()  # read once for the batch, when its first UDP report needs it
+                table = UdpTable(lookups=len(batch))  # read once for the batch, when its first UDP report needs it
                 for payload, sender in batch:  # at once: a job's last report comes as it exits
                     self.receive(payload, sender, table)
                 udp = sock.family != socket.AF_UNIX
@@ -713,7 +807,7 @@ class TrainingCollector(Collector):
                     if more is None or self._stop.is_set():
                         return
                     rate.add(len(more))
-                    table.received_more()
+                    table.received_more(len(more))
                     for payload, sender in more:
                         self.receive(payload, sender, table)
 
@@ -737,19 +831,21 @@ class TrainingCollector(Collector):
         2 ms read of the socket table for each (13% of a core). Reports wait at most that long; the sampler
         reads them once an interval anyway. The price: a job's last report gathered after its process exited
         (its socket closed) cannot be verified and is refused (``unverified_sender``), so below that rate
-        nothing is gathered."""
+        nothing is gathered. The socket is drained every ``UDP_GATHER_STEP``, not as each datagram comes: jobs
+        at their own phases woke the loop for every one (a wait, a read and a read that found none each)."""
         deadline = time.monotonic() + UDP_GATHER_SECONDS
         size = sum(len(payload) for payload, _ in batch)
-        while len(batch) < UDP_BATCH and size < UDP_BATCH_BYTES and not self._stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([sock], [], [], left)[0]:
-                break
+        while True:
             more = self._drain(sock, UDP_BATCH - len(batch))
             if more is None:
                 return None
             batch += more
             size += sum(len(payload) for payload, _ in more)
-        return batch
+            left = deadline - time.monotonic()
+            if len(batch) >= UDP_BATCH or size >= UDP_BATCH_BYTES or left <= 0:
+                return batch
+            if self._stop.wait(min(left, UDP_GATHER_STEP)):
+                return batch
 
     def _recv(self, sock: socket.socket) -> tuple[bytes, Sender]:
         if sock.family == socket.AF_UNIX:
@@ -833,7 +929,7 @@ class TrainingCollector(Collector):
             if (report.steps < previous.steps or report.samples < previous.samples
                     or report.skipped_steps < previous.skipped_steps
                     or report.step_count < previous.step_count or report.step_sum < previous.step_sum
-                    or any(a < b for a, b in zip(report.step_buckets, previous.step_buckets, strict=True))):
+                    or any(map(operator.lt, report.step_buckets, previous.step_buckets))):  # both as many
                 raise Rejected("counter_decreased", f"counters went backwards within pid {report.pid}")
             if report.profiler != previous.profiler:
                 process.profiler = check_profiler(report, sender, self.env)
@@ -903,9 +999,6 @@ class TrainingCollector(Collector):
             self._sampled = self._freeze(now)
         return True
 
-    def _fresh(self, process: ProcessState, now: float) -> bool:
-        return now - process.last_seen <= RATE_STALE_SECONDS
-
     def configure(self, settings: HookSettings) -> None:
         super().configure(settings)
         with self._lock:
@@ -932,37 +1025,53 @@ class TrainingCollector(Collector):
                         TrainingProcesses(tuple(views)))
 
     def _freeze_job(self, series: tuple[str, str], state: JobState, now: float, wall: float) -> _Frozen:
+        """One job's part of a sample, in one pass over its processes: 1,000 jobs that report every second
+        are all frozen again at every sample (issue 24)."""
         job, worker = series
-        live = sorted(state.processes.values(), key=lambda p: p.latest.time)
-        training = [p for p in live if p.latest.phase == "train" and self._fresh(p, now)]
-        rates = [p.samples_per_second for p in training if p.samples_per_second is not None]
+        live = list(state.processes.values())
+        if len(live) > 1:
+            live.sort(key=_report_time)
+        rates, steps, waiting, thresholds = [], [], [], []
+        for p in live:
+            report = p.latest
+            if now - p.last_seen <= RATE_STALE_SECONDS:  # fresh: it counts as training and has a rate
+                thresholds.append(p.last_seen + RATE_STALE_SECONDS)
+                if report.phase == "train":
+                    if p.samples_per_second is not None:
+                        rates.append(p.samples_per_second)
+                    if p.recent_step_seconds is not None:
+                        steps.append(p.recent_step_seconds)
+            if report.first_step_seconds is None:
+                waiting.append(wall - report.process_start)
         newest = live[-1].latest if live else None
         up = now - state.last_seen <= self.settings.down_after
+        if len(live) == 1:
+            epoch, phase, profilers = newest.epoch, newest.phase, (live[0].profiler or "",)
+        else:
+            epoch = max(p.latest.epoch for p in live) if live else None
+            phase = _phase(live) if live else None
+            profilers = tuple(sorted({p.profiler or "" for p in live}))
         row = _Row(key=series, totals=state.totals(), processes=len(live), up=up,
                    rate=sum(rates) if rates else None, batch_size=newest.batch_size if newest else None,
-                   epoch=max(p.latest.epoch for p in live) if live else None,
-                   phase=_phase(live) if live else None,
-                   first_step_seconds=newest.first_step_seconds if newest else None,
-                   profilers=tuple(sorted({p.profiler or "" for p in live})))
+                   epoch=epoch, phase=phase, first_step_seconds=newest.first_step_seconds if newest else None,
+                   profilers=profilers)
         signals: list[tuple[str, float]] = []
         if rates:
             signals.append(("samples_per_second", sum(rates)))
-        steps = [p.recent_step_seconds for p in training if p.recent_step_seconds is not None]
         if steps:
             signals.append(("step_seconds", sum(steps) / len(steps)))
-        waiting = [wall - p.latest.process_start for p in live if p.latest.first_step_seconds is None]
         if waiting:
             signals.append(("seconds_without_first_step", max(waiting)))
         views = []
         for p in state.processes.values():
-            fresh = self._fresh(p, now)
-            views.append(ProcessView(job, worker, p.latest.pid, p.key[0] == "local", p.latest.phase,
-                                     p.latest.phase == "train" and fresh, p.profiler,
-                                     p.samples_per_second if fresh else None, p.latest.batch_size or p.recent_batch,
+            report = p.latest
+            fresh = now - p.last_seen <= RATE_STALE_SECONDS
+            views.append(ProcessView(job, worker, report.pid, p.key[0] == "local", report.phase,
+                                     report.phase == "train" and fresh, p.profiler,
+                                     p.samples_per_second if fresh else None, report.batch_size or p.recent_batch,
                                      p.pid_verified))
         # when time alone changes this part: a fresh process goes quiet, the job goes down; a process
         # still waiting for its first step reports a wall-clock age, so it is refrozen every sample
-        thresholds = [p.last_seen + RATE_STALE_SECONDS for p in live if self._fresh(p, now)]
         if up:
             thresholds.append(state.last_seen + self.settings.down_after)
         until = now if waiting else min(thresholds, default=float("inf"))
@@ -1077,6 +1186,10 @@ def _job_lines(row: _Row) -> list[str]:
         + f"{_INF_LE}{labels}{count}\n{_P}step_duration_seconds_count{{{labels}{count}\n"
         f"{_P}step_duration_seconds_sum{{{labels}{go_float(totals.step_sum)}\n",
     ]
+
+
+def _report_time(process: ProcessState) -> float:
+    return process.latest.time
 
 
 def _phase(live: list[ProcessState]) -> str:

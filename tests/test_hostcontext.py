@@ -220,6 +220,13 @@ class _Registry:
     def jobs(self):
         return {p.job for p in self.listed}
 
+    def local_pids(self):
+        pids = {}
+        for p in self.listed:
+            if p.local:
+                pids.setdefault(p.job, []).append(p.pid)
+        return {job: sorted(found) for job, found in pids.items()}
+
 
 def test_a_window_on_a_procfs_without_stat_says_why_and_keeps_no_samples(tmp_path):
     from tfprofd.daemon.hostcontext import HostMonitor

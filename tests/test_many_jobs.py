@@ -9,6 +9,9 @@ import os
 import random
 import shutil
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -271,3 +274,76 @@ def test_reports_gathered_after_a_read_are_checked_against_a_later_one():
     victim.close()  # the victim's job exits; its port is free for anyone to bind
     table.received_more()
     assert table.on_port(port) == []  # a datagram gathered since from that port is not the victim's
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to open sockets as another user")
+def test_the_kernels_socket_list_tells_each_users_udp_sender_apart():
+    """The agent asks the kernel (sock_diag over netlink) who owns a datagram's socket instead of reading
+    /proc/net/udp: another user's socket, IPv4 or IPv6, is that user's; a port two users share
+    (SO_REUSEADDR) vouches for neither; and every socket reads as /proc/net/udp{,6} lists it."""
+    from tfprofd.exporter.training import Rejected, identify_udp_sender, parse_proc_net
+
+    shared = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    shared.bind(("127.0.0.1", 0))
+    shared_port = shared.getsockname()[1]
+    own = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    try:
+        own.bind(("::1", 0))
+    except OSError:
+        own.close()
+        shared.close()
+        pytest.skip("no IPv6 loopback on this host")
+    other = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, socket, sys
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        v4 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        v4.bind(("127.0.0.1", 0))
+        v6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        v6.bind(("::", 0))
+        same = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        same.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        same.bind(("127.0.0.1", {shared_port}))  # the port root's socket is bound to
+        print(v4.getsockname()[1], v6.getsockname()[1], flush=True)
+        sys.stdin.readline()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        v4_port, v6_port = map(int, other.stdout.readline().split())
+        for table in (UdpTable(), UdpTable(lookups=1)):  # every socket listed, or (a few datagrams) one port's
+            assert identify_udp_sender("127.0.0.1", v4_port, table=table).uid == 65534
+            assert identify_udp_sender("::1", v6_port, table=table).uid == 65534  # bound to every address
+            assert identify_udp_sender("::1", own.getsockname()[1], table=table).uid == 0
+            with pytest.raises(Rejected) as info:
+                identify_udp_sender("127.0.0.1", shared_port, table=table)
+            assert info.value.reason == "unverified_sender" and "several users ([0, 65534])" in str(info.value)
+            assert UdpTable.diag_problem is None  # the kernel answered: no text table was read
+            listed = [s for name in ("udp", "udp6")
+                      for s in parse_proc_net(Path(f"/proc/self/net/{name}").read_text())]
+            for port in (v4_port, v6_port, own.getsockname()[1], shared_port, 1):
+                assert sorted(map(repr, table.on_port(port))) == sorted(repr(s) for s in listed if s.port == port)
+    finally:
+        other.communicate("\n", timeout=10)
+        shared.close()
+        own.close()
+
+
+def test_without_the_kernels_socket_list_senders_are_identified_from_proc(monkeypatch, caplog):
+    """Where netlink's sock_diag does not answer (no udp_diag module, a sandbox), /proc/net/udp is read."""
+    import errno
+
+    from tfprofd.exporter import training
+
+    def refused(port: int | None = None) -> None:
+        raise OSError(errno.EPROTONOSUPPORT, "Protocol not supported")
+
+    monkeypatch.setattr(training, "diag_udp_sockets", refused)
+    monkeypatch.setattr(UdpTable, "diag_problem", None)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        caplog.set_level("INFO", logger="tfprofd.training")
+        assert training.identify_udp_sender("127.0.0.1", s.getsockname()[1]).uid == os.geteuid()
+        assert training.identify_udp_sender("127.0.0.1", s.getsockname()[1]).uid == os.geteuid()
+    assert UdpTable.diag_problem == "[Errno 93] Protocol not supported"
+    assert caplog.text.count("identified from /proc/net/udp") == 1
