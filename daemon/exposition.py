@@ -16,7 +16,7 @@ import gzip
 import re
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 
 from prometheus_client import exposition as text_format
 from prometheus_client.core import Metric
@@ -126,7 +126,8 @@ def render(families: Iterable[Metric], fmt: str, sections: SectionCache | None =
                 lines: list[str] = []
                 _render_samples(family, lines, labels)
                 entry = (family, "".join(lines))
-            fresh[family.name] = entry
+            if kept is not None:  # without, each family is freed once written: one at a time, not all at once
+                fresh[family.name] = entry
             part.append(entry[1])
         except _Unusual:
             part = [render_library([family], fmt).decode()]
@@ -199,8 +200,14 @@ class Exposition:
     that finds no fresh part (the first in a format, or one off its cadence) renders it itself.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, reusing: Collection[str] = ()):
+        """``reusing`` names the parts whose families can be the very objects of their last rendering (the
+        agent's own part: the rules engine hands out the same families while no state changed); only theirs
+        are kept from one rendering to the next. A collector's ``collect()`` makes new families every time:
+        keeping them held every sample object of its last rendering for nothing (8 GPUs: ~230 KB, and twice
+        that while the next rendering ran; issue 24)."""
         self.clock = clock
+        self._reusing = frozenset(reusing)
         self._parts: dict[tuple[str, str], Part] = {}  # (collector, format) -> part
         self._sections: dict[str, SectionCache] = {}  # collector -> its rendered sections (render())
         self._labels: dict[str, dict[tuple, str]] = {}  # collector -> its label sets as written (render())
@@ -239,7 +246,7 @@ class Exposition:
 
     def _render(self, name: str, collect: Callable[[], Iterable[Metric]], fmt: str) -> bytes:
         return render(collect(), fmt, self._sections.setdefault(name, {}), self._labels.setdefault(name, {}),
-                      self._kept.setdefault(name, {}))
+                      self._kept.setdefault(name, {}) if name in self._reusing else None)
 
     def forget(self, name: str) -> None:
         for key in [k for k in self._parts if k[0] == name]:

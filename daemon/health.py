@@ -35,7 +35,7 @@ class Endpoints:
         self.live = live
         self.servers = servers
         self.stopping = stopping
-        self.exposition = Exposition()
+        self.exposition = Exposition(reusing=(AGENT_PART,))
         self.workers: Callable[[], dict[str, Any]] = dict  # the worker pools' state, shown (not judged) by /healthz
         router.add("GET", "/", self.landing, inline=True)
         router.add("GET", "/metrics", self.metrics, inline=True)

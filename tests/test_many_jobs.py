@@ -204,7 +204,7 @@ def test_rule_series_of_hostile_jobs_are_written_as_prometheus_client_writes_the
     engine = Engine([Rule("slow", "", (Condition("samples_per_second", below=10),), for_seconds=1),
                      Rule("b\"a\\d\nrule ✓", "", (Condition("step_seconds", above=1),), for_seconds=0)],
                     signal_catalog())
-    exposition = Exposition(clock=lambda: 0.0)
+    exposition = Exposition(clock=lambda: 0.0, reusing=("agent",))
     jobs = sorted({*HOSTILE, *(f"job{i}" for i in range(40))})
     bodies: dict[str, bytes] = {}
     for t in range(12):
