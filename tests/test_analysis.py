@@ -120,10 +120,11 @@ def test_a_reader_that_goes_away_ends_the_analysis_quietly(tmp_path, as_json):
     assert stderr == "", stderr  # no BrokenPipeError traceback, no "Exception ignored" at exit
 
 
-@pytest.mark.parametrize("where", ["_deciding_lines", "_rest"])
+@pytest.mark.parametrize("where", ["load", "timeline"])
 def test_a_timeline_that_cannot_be_read_is_said_not_hidden(tmp_path, monkeypatch, where):
-    """Our own read of the trace fails (first pass, or the thread beside xprof): xprof's tables still give a
-    verdict, and the analysis says the timeline is missing from it, with why (it used to be dropped unsaid)."""
+    """Our own read of the trace fails (parsing it, in the first pass; or building the timeline, in the thread
+    beside xprof): xprof's tables still give a verdict, and the analysis says the timeline is missing from it,
+    with why (it used to be dropped unsaid)."""
     from tfprofd.daemon.analysis import worker
     from tfprofd.daemon.analysis.model import WorkerAnalysis
 

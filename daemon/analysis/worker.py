@@ -176,11 +176,11 @@ def _read(trace: Path, verbose: bool) -> tuple[Timeline, Tables]:
         line = _failed(exc)
     else:
         if hints.needed:  # a copy to write: the whole timeline says what it must hold
-            line = _rest_or_failed(space, ev)
+            line = _rest(space, ev)
             del space, ev  # not held while xprof runs
             return line, _tables(trace, line.hints, verbose)
         with ThreadPoolExecutor(1, thread_name_prefix="tfprofd-timeline") as pool:
-            read = pool.submit(_rest_or_failed, space, ev)
+            read = pool.submit(_rest, space, ev)
             del space, ev  # the thread's alone: freed when it is done
             tables = _tables(trace, hints, verbose)
             line = read.result()
@@ -195,13 +195,6 @@ def _deciding_lines(trace: Path) -> tuple[XSpace, Events, StepHints]:
     space = load(trace)
     ev = read_events(space, only=deciding)
     return space, ev, predicted_hints(ev)
-
-
-def _rest_or_failed(space: XSpace, ev: Events) -> Timeline:
-    try:
-        return _rest(space, ev)
-    except Exception as exc:  # an unreadable timeline must not hide what xprof could read
-        return _failed(exc)
 
 
 def _failed(exc: Exception) -> Timeline:
