@@ -73,6 +73,10 @@ def _header(family: Metric, fmt: str) -> str:
     return f"# HELP {shown} {doc}\n# TYPE {shown} {family.type}\n"
 
 
+def _label_text(labels: dict[str, str]) -> str:
+    return ",".join(f'{k}="{label_value(v)}"' for k, v in sorted(labels.items()))
+
+
 def _render_samples(family: Metric, out: list[str], written: dict[tuple, str] | None = None) -> None:
     """The family's sample lines; ``written`` remembers label sets already written (a section's labels
     stay the same from one rendering to the next while its values change: half the cost of a line)."""
@@ -82,12 +86,12 @@ def _render_samples(family: Metric, out: list[str], written: dict[tuple, str] | 
             raise _Unusual
         if s.labels:
             if written is None:
-                labels = ",".join(f'{k}="{label_value(v)}"' for k, v in sorted(s.labels.items()))
+                labels = _label_text(s.labels)
             else:
                 key = tuple(s.labels.items())
                 labels = written.get(key)
                 if labels is None:
-                    labels = written[key] = ",".join(f'{k}="{label_value(v)}"' for k, v in sorted(s.labels.items()))
+                    labels = written[key] = _label_text(s.labels)
             lines.append(f"{s.name}{{{labels}}} {go_float(s.value)}\n")
         else:
             lines.append(f"{s.name} {go_float(s.value)}\n")
