@@ -217,7 +217,7 @@ def _space(calls: int, marker: str | None = None):
 
 def test_steps_are_inferred_only_from_a_repeated_tf_function_and_only_those_are_marked_for_xprof(tmp_path):
     from tfprofd.daemon.analysis.timeline import find_steps, load, read_events
-    from tfprofd.daemon.analysis.xprof import _rewritten
+    from tfprofd.daemon.analysis.xprof import StepHints, _rewritten
     from tfprofd.daemon.protos import xplane_pb2
 
     for calls, source in ((2, "none"), (3, "inferred")):
@@ -226,7 +226,7 @@ def test_steps_are_inferred_only_from_a_repeated_tf_function_and_only_those_are_
         steps = find_steps(read_events(load(trace)))
         assert (steps.source, len(steps.markers)) == (source, calls if source == "inferred" else 0), steps
     assert steps.function == "train_step" and "3 executions of tf.function 'train_step'" in steps.found
-    marked = xplane_pb2.XSpace.FromString(_rewritten(trace.read_bytes(), False, False, "train_step"))
+    marked = xplane_pb2.XSpace.FromString(_rewritten(trace.read_bytes(), StepHints(step_function="train_step")))
     plane = marked.planes[0]
     stat = {m.name: i for i, m in plane.stat_metadata.items()}
     events = plane.lines[0].events
@@ -238,7 +238,7 @@ def test_steps_are_inferred_only_from_a_repeated_tf_function_and_only_those_are_
 
 def test_markers_without_r_are_steps_and_get_it_for_xprof(tmp_path):
     from tfprofd.daemon.analysis.timeline import find_steps, load, read_events
-    from tfprofd.daemon.analysis.xprof import _rewritten
+    from tfprofd.daemon.analysis.xprof import StepHints, _rewritten
     from tfprofd.daemon.protos import xplane_pb2
 
     trace = tmp_path / "pb.xplane.pb"
@@ -246,7 +246,7 @@ def test_markers_without_r_are_steps_and_get_it_for_xprof(tmp_path):
     steps = find_steps(read_events(load(trace)))
     assert steps.source == "host markers" and steps.unrooted and len(steps.markers) == 4, steps
     assert steps.found == "step markers ('Profiled batch', without _r=1)"
-    plane = xplane_pb2.XSpace.FromString(_rewritten(trace.read_bytes(), False, True, None)).planes[0]
+    plane = xplane_pb2.XSpace.FromString(_rewritten(trace.read_bytes(), StepHints(root_markers=True))).planes[0]
     names = {i: m.name for i, m in plane.event_metadata.items()}
     rooted = [names[e.metadata_id] for e in plane.lines[0].events
               if any(plane.stat_metadata[s.metadata_id].name == "_r" for s in e.stats)]

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from .xprof import StepHints
 
 if TYPE_CHECKING:
-    from ..protos.xplane_pb2 import XSpace
+    from ..protos.xplane_pb2 import XEvent, XSpace
 
 Interval = tuple[int, int]  # picoseconds on the trace's clock
 
@@ -80,16 +80,19 @@ class Events:
     window: Interval | None = None  # the profiling session's (start, stop) in Unix ns (Task Environment plane)
     fetches: list[Interval] = field(default_factory=list)  # the stepping thread waiting on the input iterator
     device_steps: dict[str, list[Interval]] = field(default_factory=dict)  # each GPU's ``Steps`` line
-    ops: list[Interval] = field(default_factory=list)  # TF ops on the host's compute threads
+    ops: list[Interval] = field(default_factory=list)  # TF ops on the host's compute threads (each line's merged)
     input_ops: set[str] = field(default_factory=set)
     device_ops: dict[str, DeviceOpTimes] = field(default_factory=dict)
     copies_ms: dict[str, float] = field(default_factory=dict)
     devices: dict[str, DeviceEvents] = field(default_factory=dict)  # every GPU plane, by name ("GPU:4")
-    threads: dict[str, list[Interval]] = field(default_factory=dict)  # the host's launch threads' events
+    threads: dict[str, list[Interval]] = field(default_factory=dict)  # the host's launch threads' events, merged
     marker_names: set[str] = field(default_factory=set)  # the host step markers' names
     unrooted: bool = False  # some step marker lacks ``_r=1`` (Keras 3's "Profiled batch")
     iterator_calls: list[Interval] = field(default_factory=list)  # the input iterator's get-next calls, any thread
     functions: dict[str, list[Interval]] = field(default_factory=dict)  # tf.function calls from Python, by name
+    # the host events with a step_num or tf_function_call stat (the only ones xprof's copy may mark as steps,
+    # see xprof.mark_steps), by plane and line index, each line's in its order
+    marked: list[tuple[int, int, XEvent]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -145,19 +148,50 @@ def load(trace: Path) -> XSpace:
 
 def deciding(plane: str, line: str) -> bool:
     """The lines that say which steps a trace has, and so what xprof's copy needs (all but a few traces): the
-    host's threads but tf.data's (in an input-bound trace, nearly all of its events), and the GPUs' steps."""
-    return not line.startswith("tf_data") if plane.startswith("/host") else line == "Steps"
+    host's threads but tf.data's (in an input-bound trace, nearly all of its events) and TF's op executors' (in
+    a compute-bound one), and the GPUs' steps. Whether a TF while loop ran on the executors is asked of their
+    lines apart (``executors_loop``)."""
+    if plane.startswith("/host"):
+        return not line.startswith(("tf_data", *LAUNCH_THREADS))
+    return line == "Steps"
 
 
 def the_rest(plane: str, line: str) -> bool:
     return not deciding(plane, line)
 
 
-def predicted_hints(ev: Events) -> StepHints:
-    """What xprof's copy of the trace will need, from the events of the deciding lines: the whole timeline's
-    hints, unless the only step markers, loops or tf.function calls that count are on tf.data's threads."""
+def predicted_hints(space: XSpace, ev: Events) -> StepHints:
+    """What xprof's copy of the trace will need, from the events of the deciding lines (and, where the steps are
+    the host's, whether the executors ran a TF while loop: then ``ev.loops`` is set, as reading their lines would
+    set it): the whole timeline's hints, unless the only step markers, loops or tf.function calls that count are
+    on tf.data's threads."""
     steps = find_steps(ev)
+    if steps.on_host and not ev.loops:
+        ev.loops = executors_loop(space)
     return StepHints(hide_loops=ev.loops and steps.on_host, root_markers=steps.unrooted, step_function=steps.function)
+
+
+def executors_loop(space: XSpace) -> bool:
+    """Whether an event on TF's op executors' threads is a TF while loop's iteration (``read_events``'s rule: an
+    ``iter_num`` above 0, on an event that is not a step marker or a tf.function call); it stops at the first."""
+    for plane in space.planes:
+        if not plane.name.startswith("/host"):
+            continue
+        stat_names = {i: m.name for i, m in plane.stat_metadata.items()}
+        loop_stat = next((i for i, name in stat_names.items() if name == "iter_num"), None)
+        if loop_stat is None:
+            continue
+        function_stat = next((i for i, name in stat_names.items() if name == "tf_function_call"), None)
+        not_loops = {i for i, name in stat_names.items() if name == "step_num"} | {function_stat} - {None}
+        for line in plane.lines:
+            if not line.name.startswith(LAUNCH_THREADS):
+                continue
+            for event in line.events:
+                for st in event.stats:
+                    if st.metadata_id == loop_stat and (st.int64_value or st.uint64_value) > 0 and \
+                            not_loops.isdisjoint(other.metadata_id for other in event.stats):
+                        return True
+    return False
 
 
 def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, into: Events | None = None) -> Events:
@@ -165,10 +199,11 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
     added to ``into`` (the same events as one pass over every line, whatever the order of the passes)."""
     ev = Events() if into is None else into
     low, high = float("inf"), float("-inf")
-    for plane in space.planes:
+    for plane_index, plane in enumerate(space.planes):
         names = {i: m.name for i, m in plane.event_metadata.items()}
         stat_names = {i: m.name for i, m in plane.stat_metadata.items()}
         step_stats = {i for i, name in stat_names.items() if name == "step_num"}
+        mark_stats = {i for i, name in stat_names.items() if name in ("step_num", "tf_function_call")}
         count_stat = next((i for i, name in stat_names.items() if name == "steps"), None)
         loop_stat = next((i for i, name in stat_names.items() if name == "iter_num"), None)
         root_stat = next((i for i, name in stat_names.items() if name == "_r"), None)
@@ -184,13 +219,14 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
             device = ev.devices.setdefault(plane.name, DeviceEvents(plane.name.removeprefix("/device:")))
         plane_ops: list[tuple[int, int, str]] = []
         kernels: list[tuple[int, int, str]] = []
-        for line in plane.lines:
+        for line_index, line in enumerate(plane.lines):
             base, line_name = line.timestamp_ns * 1000, line.name  # read once: each read makes a Python object
             if only is not None and not only(plane.name, line_name):
                 continue
             compute_thread = host and line_name.startswith(LAUNCH_THREADS)
             data_thread = host and line_name.startswith("tf_data")
-            thread = ev.threads.setdefault(line_name, []) if compute_thread else None
+            thread: list[Interval] | None = [] if compute_thread else None  # merged when the line is read
+            line_ops: list[Interval] = []
             copy_line = "Memcpy" in line_name and "Compute" not in line_name
             for event in line.events:
                 start = base + event.offset_ps
@@ -207,6 +243,8 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
                         ev.iterator_calls.append((start, end))
                     # one pass over the event's stats (the trace's hot loop: a stat read is a Python object made)
                     stats = {st.metadata_id: st for st in event.stats} if wanted else {}
+                    if mark_stats and not mark_stats.isdisjoint(stats):
+                        ev.marked.append((plane_index, line_index, event))
                     if step_stats and not step_stats.isdisjoint(stats):
                         ev.host_steps.append((start, end))
                         count = stats.get(count_stat)
@@ -215,15 +253,16 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
                         ev.unrooted |= root_stat not in stats
                     elif function_stat in stats:
                         ev.functions.setdefault(name, []).append((start, end))
-                    elif not ev.loops and (loop := stats.get(loop_stat)) is not None and (
-                            loop.int64_value or loop.uint64_value) > 0:
-                        ev.loops = True
-                    elif "IteratorGetNext" in name and not compute_thread and not data_thread:
-                        ev.fetches.append((start, end))
-                    elif compute_thread and ":" in name:
-                        ev.ops.append((start, end))  # TF ops are named "name:Type"; executor bookkeeping is not
-                    elif data_thread and name and not name.startswith(("Iterator::", "Threadpool", "Executor")):
-                        ev.input_ops.add(name.split(":")[0])
+                    else:  # an op: its loop iteration, if any, is counted too (executors_loop's rule)
+                        if not ev.loops and (loop := stats.get(loop_stat)) is not None and (
+                                loop.int64_value or loop.uint64_value) > 0:
+                            ev.loops = True
+                        if "IteratorGetNext" in name and not compute_thread and not data_thread:
+                            ev.fetches.append((start, end))
+                        elif compute_thread and ":" in name:
+                            line_ops.append((start, end))  # TF ops are named "name:Type"; executor bookkeeping is not
+                        elif data_thread and name and not name.startswith(("Iterator::", "Threadpool", "Executor")):
+                            ev.input_ops.add(name.split(":")[0])
                 elif line_name == "Steps":
                     ev.device_steps.setdefault(plane.name, []).append((start, end))
                     if device is not None:
@@ -241,6 +280,10 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
                     kernels.append((start, end, name))
                     if device is not None:
                         device.kernels.append((start, end))
+            # only their union is used: a line's (most of a compute-bound trace's events) is not held in full
+            if thread is not None:
+                ev.threads.setdefault(line_name, []).extend(merge(thread))
+            ev.ops.extend(merge(line_ops))
         _attach_kernels(sorted(plane_ops), kernels, ev.device_ops)
     if high >= low:
         ev.low = int(low) if ev.low is None else min(ev.low, int(low))

@@ -49,6 +49,7 @@ from .xprof import (
     StepHints,
     converter,
     host_of,
+    mark_steps,
     num,
     private_session,
     quiet,
@@ -165,53 +166,60 @@ Tables = tuple[Any, Any, Any, Any, list[dict[str, float]] | None]  # xprof's fou
 def _read(trace: Path, verbose: bool) -> tuple[Timeline, Tables]:
     """The trace's timeline, and xprof's tables from the copy the timeline asks for.
 
-    The lines that decide the steps are read first: they say which copy xprof needs. Then xprof converts it
-    while a thread reads the other lines (xprof's conversion releases the GIL); where the whole timeline asks
-    for another copy after all (steps, loops or tf.function calls found only on tf.data's threads), xprof
-    converts that one again."""
+    The lines that decide the steps are read first: they say which copy xprof needs, and where it must be
+    rewritten (step markers and tf.function calls), the copy is made from the parsed trace then. xprof converts
+    it while a thread reads the other lines (xprof's conversion releases the GIL); where the whole timeline asks
+    for another copy after all (steps, loops or tf.function calls found only on tf.data's threads, or events to
+    mark there), xprof converts that one again."""
     converter()  # imported first: an import holds the GIL, and would hold up xprof's start behind the timeline
     try:
         space, ev, hints = _deciding_lines(trace)
     except Exception as exc:  # an unreadable timeline must not hide what xprof could read
-        line = _failed(exc)
-    else:
-        if hints.needed:  # a copy to write: the whole timeline says what it must hold
-            line = _rest(space, ev)
-            del space, ev  # not held while xprof runs
-            return line, _tables(trace, line.hints, verbose)
-        with ThreadPoolExecutor(1, thread_name_prefix="tfprofd-timeline") as pool:
-            read = pool.submit(_rest, space, ev)
-            del space, ev  # the thread's alone: freed when it is done
-            tables = _tables(trace, hints, verbose)
-            line = read.result()
-        if line.error is None and line.hints != hints:
-            tables = _tables(trace, line.hints, verbose)
-        return line, tables
-    return line, _tables(trace, StepHints(), verbose)
+        return _failed(exc), _tables(trace, StepHints(), verbose)
+    if hints.needed:
+        # In place: what it changes (loop ids, marks on the deciding lines' events) is not read again, and was
+        # already found (ev.loops, ev.unrooted), so the other lines read the same after it
+        mark_steps(space, hints, ev.marked)
+    with (private_session(trace, hints, space if hints.needed else None) as linked,
+          ThreadPoolExecutor(1, thread_name_prefix="tfprofd-timeline") as pool):
+        read = pool.submit(_rest, space, ev)
+        del space, ev  # the thread's alone: freed when it is done
+        tables = _convert(linked, verbose)
+        line, marks_elsewhere = read.result()
+    if line.error is None and (line.hints != hints or (hints.needed and marks_elsewhere)):
+        tables = _tables(trace, line.hints, verbose)
+    return line, tables
 
 
 def _deciding_lines(trace: Path) -> tuple[XSpace, Events, StepHints]:
     """The parsed trace, the events of its deciding lines, and the copy of it they say xprof needs."""
     space = load(trace)
     ev = read_events(space, only=deciding)
-    return space, ev, predicted_hints(ev)
+    return space, ev, predicted_hints(space, ev)
 
 
 def _failed(exc: Exception) -> Timeline:
     return Timeline(steps=Steps([]), error=f"{type(exc).__name__}: {exc}")
 
 
-def _rest(space: XSpace, ev: Events) -> Timeline:
-    """The timeline, once the lines not read yet are."""
+def _rest(space: XSpace, ev: Events) -> tuple[Timeline, bool]:
+    """The timeline, once the lines not read yet are; and whether they hold events xprof's copy may mark."""
+    marked = len(ev.marked)
     try:
-        return timeline(read_events(space, only=the_rest, into=ev))
+        return timeline(read_events(space, only=the_rest, into=ev)), len(ev.marked) > marked
     except Exception as exc:  # an unreadable timeline must not hide what xprof could read
-        return _failed(exc)
+        return _failed(exc), False
 
 
 def _tables(trace: Path, hints: StepHints, verbose: bool) -> Tables:
     """xprof's four tools' data for the trace (its copy as ``hints`` say), and the steps of its OpStats."""
-    with private_session(trace, hints) as linked, quiet(verbose) as log_tail:
+    with private_session(trace, hints) as linked:
+        return _convert(linked, verbose)
+
+
+def _convert(linked: Path, verbose: bool) -> Tables:
+    """xprof's four tools' data for the trace in a private session, and the steps of its OpStats."""
+    with quiet(verbose) as log_tail:
         try:
             tables = tuple(tool(linked, name) for name in ("overview_page", "input_pipeline_analyzer",
                                                            "framework_op_stats", "kernel_stats"))

@@ -12,9 +12,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .model import PART_TYPES
+
+if TYPE_CHECKING:
+    from ..protos.xplane_pb2 import XEvent, XSpace
 
 
 class AnalysisError(Exception):
@@ -79,7 +82,7 @@ class StepHints:
 
 
 @contextlib.contextmanager
-def private_session(trace: Path, hints: StepHints) -> Iterator[Path]:
+def private_session(trace: Path, hints: StepHints, copy: XSpace | None = None) -> Iterator[Path]:
     """A fresh directory holding only a link to the trace: xprof caches per directory, so a folder of
     several traces would give every one the first one's answers, and the user's folder stays as it was.
 
@@ -89,49 +92,60 @@ def private_session(trace: Path, hints: StepHints) -> Iterator[Path]:
     every loop iteration for a step and ignores the step markers, finding no steps at all; without those
     ids it groups the trace by its step markers. ``root_markers``: with ``_r=1`` on step markers that lack it
     (Keras 3's "Profiled batch"), which xprof otherwise ignores. ``step_function``: with each execution of
-    that tf.function marked as a step (``_r=1``, ``step_num``), for traces without markers."""
+    that tf.function marked as a step (``_r=1``, ``step_num``), for traces without markers. ``copy``: the trace
+    already parsed and made that copy (``mark_steps``); without it, the trace is read and parsed again."""
     with tempfile.TemporaryDirectory(prefix="tfprofd-analysis-") as tmp:
         linked = Path(tmp) / trace.name
         if hints.needed:
-            linked.write_bytes(_rewritten(trace.read_bytes(), hints.hide_loops, hints.root_markers,
-                                          hints.step_function))
+            linked.write_bytes(copy.SerializeToString() if copy is not None else _rewritten(trace.read_bytes(), hints))
         else:
             linked.symlink_to(trace.resolve())
         yield linked
 
 
-def _rewritten(data: bytes, hide_loops: bool, root_markers: bool, step_function: str | None) -> bytes:
-    """The trace with its ``iter_num`` stat renamed, and ``_r=1`` (and ``step_num``) added to the events that
-    are steps (see private_session); every event and value is kept."""
+def _rewritten(data: bytes, hints: StepHints) -> bytes:
+    """The trace's copy for xprof (see private_session)."""
     from ..protos import xplane_pb2
 
     space = xplane_pb2.XSpace.FromString(data)
-    for plane in space.planes:
+    mark_steps(space, hints)
+    return space.SerializeToString()
+
+
+def mark_steps(space: XSpace, hints: StepHints, marked: list[tuple[int, int, XEvent]] | None = None) -> None:
+    """Make the trace xprof's copy (see private_session), in place: its ``iter_num`` stat renamed, and ``_r=1``
+    (and ``step_num``) added to the events that are steps; every event and value is kept. ``marked``: the host
+    events with a step_num or tf_function_call stat, by plane and line index (``timeline.Events.marked``), the
+    only ones it can change: the others are not looked at; without it, every host event is."""
+    by_plane: dict[int, list[XEvent]] = {}
+    for plane_index, _, event in sorted(marked or [], key=lambda m: m[:2]):  # each line's events stay in order
+        by_plane.setdefault(plane_index, []).append(event)
+    for plane_index, plane in enumerate(space.planes):
         stats = {m.name: i for i, m in plane.stat_metadata.items()}
-        if hide_loops and "iter_num" in stats:
+        if hints.hide_loops and "iter_num" in stats:
             plane.stat_metadata[stats["iter_num"]].name = "iter_num_hidden_by_tfprofd"
-        if not plane.name.startswith("/host") or not (root_markers or step_function):
+        if not plane.name.startswith("/host") or not (hints.root_markers or hints.step_function):
             continue
         for name in ("_r", "step_num"):
             if name not in stats:
                 stats[name] = max([*plane.stat_metadata, *(m.id for m in plane.stat_metadata.values()), 0]) + 1
                 plane.stat_metadata[stats[name]].id = stats[name]
                 plane.stat_metadata[stats[name]].name = name
-        functions = {i for i, m in plane.event_metadata.items() if step_function and m.name == step_function}
+        step = hints.step_function
+        functions = {i for i, m in plane.event_metadata.items() if step and m.name == step}
         called = stats.get("tf_function_call")
+        events = (e for line in plane.lines for e in line.events) if marked is None else by_plane.get(plane_index, [])
         n = 0
-        for line in plane.lines:
-            for event in line.events:
-                has = {st.metadata_id for st in event.stats}
-                if stats["_r"] in has:
-                    continue
-                if root_markers and stats["step_num"] in has:
-                    event.stats.add(metadata_id=stats["_r"], int64_value=1)
-                elif event.metadata_id in functions and called in has and stats["step_num"] not in has:
-                    n += 1
-                    event.stats.add(metadata_id=stats["_r"], int64_value=1)
-                    event.stats.add(metadata_id=stats["step_num"], int64_value=n)
-    return space.SerializeToString()
+        for event in events:
+            has = {st.metadata_id for st in event.stats}
+            if stats["_r"] in has:
+                continue
+            if hints.root_markers and stats["step_num"] in has:
+                event.stats.add(metadata_id=stats["_r"], int64_value=1)
+            elif event.metadata_id in functions and called in has and stats["step_num"] not in has:
+                n += 1
+                event.stats.add(metadata_id=stats["_r"], int64_value=1)
+                event.stats.add(metadata_id=stats["step_num"], int64_value=n)
 
 
 def converter() -> ModuleType:
