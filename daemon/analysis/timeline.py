@@ -237,7 +237,8 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
                     high = end
                 name = names.get(event.metadata_id, "")
                 if thread is not None:
-                    thread.append((start, end))
+                    span = (start, end)  # one tuple for the thread's span and, if it is one, the op's
+                    thread.append(span)
                 if host:
                     if name in ITERATOR_CALLS:
                         ev.iterator_calls.append((start, end))
@@ -260,7 +261,7 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
                         if "IteratorGetNext" in name and not compute_thread and not data_thread:
                             ev.fetches.append((start, end))
                         elif compute_thread and ":" in name:
-                            line_ops.append((start, end))  # TF ops are named "name:Type"; executor bookkeeping is not
+                            line_ops.append(span)  # TF ops are named "name:Type"; executor bookkeeping is not
                         elif data_thread and name and not name.startswith(("Iterator::", "Threadpool", "Executor")):
                             ev.input_ops.add(name.split(":")[0])
                 elif line_name == "Steps":
@@ -374,13 +375,19 @@ def op_type(name: str) -> str:
 
 def merge(intervals: list[Interval]) -> list[Interval]:
     """The intervals merged where they overlap, sorted."""
-    merged: list[list[int]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
+    if not intervals:
+        return []
+    ordered = sorted(intervals)
+    merged: list[Interval] = []
+    low, high = ordered[0]
+    for start, end in ordered:
+        if start > high:
+            merged.append((low, high))
+            low, high = start, end
+        elif end > high:
+            high = end
+    merged.append((low, high))
+    return merged
 
 
 def covered(busy: list[Interval], windows: list[Interval]) -> float:
