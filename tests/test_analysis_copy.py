@@ -1,0 +1,103 @@
+"""The copy of a trace xprof converts, made while the timeline is read beside it: the same copy and the same
+timeline as reading the whole trace first, for every recorded trace; and the ops a while loop runs all counted."""
+
+from __future__ import annotations
+
+import lzma
+
+import pytest
+
+from helpers import FIXTURES
+
+TRACES = sorted((FIXTURES / "traces").glob("**/*.xplane.pb.xz"))
+MS = 10**9  # picoseconds
+
+
+def _loop_space():
+    """A host plane: one step marker of 10 ms; on an executor thread, a while loop's first two iterations, one
+    op each (5 ms, then 1 ms)."""
+    from tfprofd.daemon.protos import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/host:CPU")
+    for i, name in enumerate(("step_num", "_r", "iter_num"), start=1):
+        plane.stat_metadata[i].id, plane.stat_metadata[i].name = i, name
+    for i, name in enumerate(("train", "while/body/dense/MatMul:MatMul", "while/body/add:AddV2"), start=1):
+        plane.event_metadata[i].id, plane.event_metadata[i].name = i, name
+    marker = plane.lines.add(name="python", timestamp_ns=1000).events.add(metadata_id=1, duration_ps=10 * MS)
+    marker.stats.add(metadata_id=1, int64_value=1)
+    marker.stats.add(metadata_id=2, int64_value=1)
+    executor = plane.lines.add(name="tf_Compute/1", timestamp_ns=1000)
+    for metadata_id, offset, duration, iteration in ((2, 0, 5 * MS, 1), (3, 5 * MS, MS, 2)):
+        executor.events.add(metadata_id=metadata_id, offset_ps=offset, duration_ps=duration).stats.add(
+            metadata_id=3, int64_value=iteration)
+    return space
+
+
+def test_the_op_that_shows_a_while_loop_ran_counts_in_how_busy_ops_keep_the_cpu():
+    """The first loop iteration's op said "a loop ran" and was then left out of the ops: 10% busy, not 60%."""
+    from tfprofd.daemon.analysis.timeline import read_events, timeline
+
+    line = timeline(read_events(_loop_space()))
+    assert line.loops and line.ops_busy == pytest.approx(0.6)
+
+
+def _split_read(data: bytes):
+    """What the analysis does beside xprof: the deciding lines, xprof's copy made from them, then the rest."""
+    from tfprofd.daemon.analysis.timeline import deciding, predicted_hints, read_events, the_rest, timeline
+    from tfprofd.daemon.analysis.xprof import mark_steps
+    from tfprofd.daemon.protos import xplane_pb2
+
+    space = xplane_pb2.XSpace.FromString(data)
+    ev = read_events(space, only=deciding)
+    hints = predicted_hints(space, ev)
+    copy = None
+    if hints.needed:
+        mark_steps(space, hints, ev.marked)
+        copy = space.SerializeToString()
+    marked = len(ev.marked)
+    return hints, copy, timeline(read_events(space, only=the_rest, into=ev)), len(ev.marked) > marked
+
+
+@pytest.mark.parametrize("trace", TRACES, ids=[t.name.removesuffix(".xplane.pb.xz") for t in TRACES])
+def test_the_copy_and_timeline_made_beside_xprof_are_the_whole_traces(trace):
+    from tfprofd.daemon.analysis.timeline import read_events, timeline
+    from tfprofd.daemon.analysis.xprof import _rewritten
+    from tfprofd.daemon.protos import xplane_pb2
+
+    data = lzma.decompress(trace.read_bytes())
+    whole = timeline(read_events(xplane_pb2.XSpace.FromString(data)))
+    hints, copy, line, marks_elsewhere = _split_read(data)
+    assert line == whole and hints == whole.hints and not marks_elsewhere
+    assert copy == (_rewritten(data, hints) if hints.needed else None)  # byte for byte
+
+
+def test_step_markers_on_a_tf_data_thread_are_marked_in_the_copy_xprof_converts(tmp_path, monkeypatch):
+    """Keras 3 markers (no _r=1) on the Python thread and on a tf.data thread: the copy made from the deciding
+    lines leaves the latter unmarked, so xprof converts the whole trace's copy again."""
+    from tfprofd.daemon.analysis import worker
+    from tfprofd.daemon.protos import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/host:CPU")
+    plane.stat_metadata[1].id, plane.stat_metadata[1].name = 1, "step_num"
+    plane.event_metadata[1].id, plane.event_metadata[1].name = 1, "Profiled batch"
+    for index, name in enumerate(("python", "tf_data_iterator_get_next/1")):
+        line = plane.lines.add(name=name, timestamp_ns=1000)
+        for n in range(30 * index, 30 * index + 30):
+            line.events.add(metadata_id=1, offset_ps=n * 10 * MS, duration_ps=9 * MS).stats.add(metadata_id=1,
+                                                                                             int64_value=n)
+    trace = tmp_path / "localhost.xplane.pb"
+    trace.write_bytes(space.SerializeToString())
+    converted, convert = [], worker._convert
+
+    def spy(linked, verbose):
+        copy = xplane_pb2.XSpace.FromString(linked.read_bytes()).planes[0]
+        rooted = {i for i, m in copy.stat_metadata.items() if m.name == "_r"}
+        converted.append(sum(any(s.metadata_id in rooted for s in e.stats) for line in copy.lines for e in line.events))
+        return convert(linked, verbose)
+
+    monkeypatch.setattr(worker, "_convert", spy)
+    analysis = worker.analyze_worker(trace)
+    assert converted == [30, 60], converted  # the deciding lines' copy, then the whole trace's
+    assert analysis.steps_found == "step markers ('Profiled batch', without _r=1)"
