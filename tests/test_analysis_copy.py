@@ -72,6 +72,25 @@ def test_the_copy_and_timeline_made_beside_xprof_are_the_whole_traces(trace):
     assert copy == (_rewritten(data, hints) if hints.needed else None)  # byte for byte
 
 
+def _copies(monkeypatch) -> list[tuple[int, bool]]:
+    """Of each copy xprof converts from now on: its events marked ``_r``, and whether loop ids are hidden."""
+    from tfprofd.daemon.analysis import worker
+    from tfprofd.daemon.protos import xplane_pb2
+
+    converted, convert = [], worker._convert
+
+    def spy(linked, verbose):
+        plane = xplane_pb2.XSpace.FromString(linked.read_bytes()).planes[0]
+        rooted = {i for i, m in plane.stat_metadata.items() if m.name == "_r"}
+        converted.append((sum(any(s.metadata_id in rooted for s in e.stats) for line in plane.lines
+                              for e in line.events),
+                          "iter_num_hidden_by_tfprofd" in {m.name for m in plane.stat_metadata.values()}))
+        return convert(linked, verbose)
+
+    monkeypatch.setattr(worker, "_convert", spy)
+    return converted
+
+
 def test_step_markers_on_a_tf_data_thread_are_marked_in_the_copy_xprof_converts(tmp_path, monkeypatch):
     """Keras 3 markers (no _r=1) on the Python thread and on a tf.data thread: the copy made from the deciding
     lines leaves the latter unmarked, so xprof converts the whole trace's copy again."""
@@ -89,15 +108,27 @@ def test_step_markers_on_a_tf_data_thread_are_marked_in_the_copy_xprof_converts(
                                                                                              int64_value=n)
     trace = tmp_path / "localhost.xplane.pb"
     trace.write_bytes(space.SerializeToString())
-    converted, convert = [], worker._convert
-
-    def spy(linked, verbose):
-        copy = xplane_pb2.XSpace.FromString(linked.read_bytes()).planes[0]
-        rooted = {i for i, m in copy.stat_metadata.items() if m.name == "_r"}
-        converted.append(sum(any(s.metadata_id in rooted for s in e.stats) for line in copy.lines for e in line.events))
-        return convert(linked, verbose)
-
-    monkeypatch.setattr(worker, "_convert", spy)
+    converted = _copies(monkeypatch)
     analysis = worker.analyze_worker(trace)
-    assert converted == [30, 60], converted  # the deciding lines' copy, then the whole trace's
+    assert converted == [(30, False), (60, False)]  # the deciding lines' copy, then the whole trace's
     assert analysis.steps_found == "step markers ('Profiled batch', without _r=1)"
+
+
+def test_a_while_loop_seen_late_on_the_executors_still_gets_its_ids_hidden_from_xprof(tmp_path, monkeypatch):
+    """The executors' lines are read beside xprof; only their start is looked at first. A loop that shows only
+    later gets xprof the copy without loop ids all the same (converted again), and the timeline says it ran."""
+    from tfprofd.daemon.analysis import worker
+
+    space = _loop_space()
+    executor = space.planes[0].lines[1]
+    loop_ops = list(executor.events)
+    del executor.events[:]
+    for n in range(2000):  # before the loop: ops outside it (iteration 0)
+        executor.events.add(metadata_id=3, offset_ps=n * 1000, duration_ps=500).stats.add(metadata_id=3)
+    executor.events.extend(loop_ops)
+    trace = tmp_path / "localhost.xplane.pb"
+    trace.write_bytes(space.SerializeToString())
+    converted = _copies(monkeypatch)
+    analysis = worker.analyze_worker(trace)
+    assert converted == [(1, False), (1, True)]  # read as it is, then without loop ids
+    assert analysis.loops_hidden

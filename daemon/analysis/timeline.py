@@ -149,8 +149,8 @@ def load(trace: Path) -> XSpace:
 def deciding(plane: str, line: str) -> bool:
     """The lines that say which steps a trace has, and so what xprof's copy needs (all but a few traces): the
     host's threads but tf.data's (in an input-bound trace, nearly all of its events) and TF's op executors' (in
-    a compute-bound one), and the GPUs' steps. Whether a TF while loop ran on the executors is asked of their
-    lines apart (``executors_loop``)."""
+    a compute-bound one), and the GPUs' steps. Whether a TF while loop ran on the executors is asked of the
+    start of their lines (``executors_loop``)."""
     if plane.startswith("/host"):
         return not line.startswith(("tf_data", *LAUNCH_THREADS))
     return line == "Steps"
@@ -162,18 +162,23 @@ def the_rest(plane: str, line: str) -> bool:
 
 def predicted_hints(space: XSpace, ev: Events) -> StepHints:
     """What xprof's copy of the trace will need, from the events of the deciding lines (and, where the steps are
-    the host's, whether the executors ran a TF while loop: then ``ev.loops`` is set, as reading their lines would
-    set it): the whole timeline's hints, unless the only step markers, loops or tf.function calls that count are
-    on tf.data's threads."""
+    the host's, whether the executors' lines show a TF while loop early on: then ``ev.loops`` is set, as reading
+    their lines would set it): the whole timeline's hints, unless the only step markers, loops or tf.function
+    calls that count are on tf.data's threads, or a loop's first iteration on the executors comes late."""
     steps = find_steps(ev)
     if steps.on_host and not ev.loops:
         ev.loops = executors_loop(space)
     return StepHints(hide_loops=ev.loops and steps.on_host, root_markers=steps.unrooted, step_function=steps.function)
 
 
+PROBED = 8  # executors_loop looks at the first 1/PROBED of each executor thread's events
+
+
 def executors_loop(space: XSpace) -> bool:
-    """Whether an event on TF's op executors' threads is a TF while loop's iteration (``read_events``'s rule: an
-    ``iter_num`` above 0, on an event that is not a step marker or a tf.function call); it stops at the first."""
+    """Whether an event early on TF's op executors' threads (the first 1/``PROBED`` of each one's events) is a
+    TF while loop's iteration, by ``read_events``'s rule: an ``iter_num`` above 0, on an event that is not a step
+    marker or a tf.function call. A loop runs every step (``steps_per_execution`` > 1, an RNN), so its iterations
+    show from the first step a capture holds; the lines are read in full in any case."""
     for plane in space.planes:
         if not plane.name.startswith("/host"):
             continue
@@ -186,7 +191,8 @@ def executors_loop(space: XSpace) -> bool:
         for line in plane.lines:
             if not line.name.startswith(LAUNCH_THREADS):
                 continue
-            for event in line.events:
+            events = line.events
+            for event in itertools.islice(events, max(1000, len(events) // PROBED)):
                 for st in event.stats:
                     if st.metadata_id == loop_stat and (st.int64_value or st.uint64_value) > 0 and \
                             not_loops.isdisjoint(other.metadata_id for other in event.stats):
