@@ -176,12 +176,13 @@ def _read(trace: Path, verbose: bool) -> tuple[Timeline, Tables]:
         space, ev, hints = _deciding_lines(trace)
     except Exception as exc:  # an unreadable timeline must not hide what xprof could read
         return _failed(exc), _tables(trace, StepHints(), verbose)
-    if hints.needed:
-        # In place: what it changes (loop ids, marks on the deciding lines' events) is not read again, and was
-        # already found (ev.loops, ev.unrooted), so the other lines read the same after it
-        mark_steps(space, hints, ev.marked)
-    with (private_session(trace, hints, space if hints.needed else None) as linked,
+    with (private_session(trace, hints, parsed=True) as linked,
           ThreadPoolExecutor(1, thread_name_prefix="tfprofd-timeline") as pool):
+        if hints.needed:
+            # in place, and the other lines read the same after it: the loop ids it hides are found already
+            # (ev.loops), the events it marks are the deciding lines' (read), the stats it adds on no other events
+            mark_steps(space, hints, ev.marked)
+            linked.write_bytes(space.SerializeToString())
         read = pool.submit(_rest, space, ev)
         del space, ev  # the thread's alone: freed when it is done
         tables = _convert(linked, verbose)

@@ -82,7 +82,7 @@ class StepHints:
 
 
 @contextlib.contextmanager
-def private_session(trace: Path, hints: StepHints, copy: XSpace | None = None) -> Iterator[Path]:
+def private_session(trace: Path, hints: StepHints, parsed: bool = False) -> Iterator[Path]:
     """A fresh directory holding only a link to the trace: xprof caches per directory, so a folder of
     several traces would give every one the first one's answers, and the user's folder stays as it was.
 
@@ -92,14 +92,14 @@ def private_session(trace: Path, hints: StepHints, copy: XSpace | None = None) -
     every loop iteration for a step and ignores the step markers, finding no steps at all; without those
     ids it groups the trace by its step markers. ``root_markers``: with ``_r=1`` on step markers that lack it
     (Keras 3's "Profiled batch"), which xprof otherwise ignores. ``step_function``: with each execution of
-    that tf.function marked as a step (``_r=1``, ``step_num``), for traces without markers. ``copy``: the trace
-    already parsed and made that copy (``mark_steps``); without it, the trace is read and parsed again."""
+    that tf.function marked as a step (``_r=1``, ``step_num``), for traces without markers. ``parsed``: the
+    caller writes that copy at the path, from the trace it parsed already (``mark_steps``); else it is made here."""
     with tempfile.TemporaryDirectory(prefix="tfprofd-analysis-") as tmp:
         linked = Path(tmp) / trace.name
-        if hints.needed:
-            linked.write_bytes(copy.SerializeToString() if copy is not None else _rewritten(trace.read_bytes(), hints))
-        else:
+        if not hints.needed:
             linked.symlink_to(trace.resolve())
+        elif not parsed:
+            linked.write_bytes(_rewritten(trace.read_bytes(), hints))
         yield linked
 
 
