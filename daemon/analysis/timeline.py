@@ -86,6 +86,7 @@ class Events:
     copies_ms: dict[str, float] = field(default_factory=dict)
     devices: dict[str, DeviceEvents] = field(default_factory=dict)  # every GPU plane, by name ("GPU:4")
     threads: dict[str, list[Interval]] = field(default_factory=dict)  # the host's launch threads' events, merged
+    # (traces with a GPU: the launch facts are theirs alone)
     marker_names: set[str] = field(default_factory=set)  # the host step markers' names
     unrooted: bool = False  # some step marker lacks ``_r=1`` (Keras 3's "Profiled batch")
     iterator_calls: list[Interval] = field(default_factory=list)  # the input iterator's get-next calls, any thread
@@ -126,7 +127,7 @@ class Timeline:
     device_ops: dict[str, DeviceOpTimes] = field(default_factory=dict)
     copies_ms: dict[str, float] = field(default_factory=dict)
     devices: tuple[DeviceEvents, ...] = ()  # every GPU plane, in the trace's order
-    threads: dict[str, list[Interval]] = field(default_factory=dict)  # host launch threads, merged
+    threads: dict[str, list[Interval]] = field(default_factory=dict)  # host launch threads, merged (GPU traces)
     error: str | None = None  # why the timeline could not be read (xprof's facts still stand)
 
     @property
@@ -205,6 +206,7 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
     added to ``into`` (the same events as one pass over every line, whatever the order of the passes)."""
     ev = Events() if into is None else into
     low, high = float("inf"), float("-inf")
+    gpus = any(plane.name.startswith("/device:GPU:") for plane in space.planes)  # launch threads: GPU traces only
     for plane_index, plane in enumerate(space.planes):
         names = {i: m.name for i, m in plane.event_metadata.items()}
         stat_names = {i: m.name for i, m in plane.stat_metadata.items()}
@@ -231,7 +233,7 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
                 continue
             compute_thread = host and line_name.startswith(LAUNCH_THREADS)
             data_thread = host and line_name.startswith("tf_data")
-            thread: list[Interval] | None = [] if compute_thread else None  # merged when the line is read
+            thread: list[Interval] | None = [] if compute_thread and gpus else None  # merged when the line is read
             line_ops: list[Interval] = []
             copy_line = "Memcpy" in line_name and "Compute" not in line_name
             for event in line.events:
@@ -242,9 +244,10 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
                 if end > high:
                     high = end
                 name = names.get(event.metadata_id, "")
-                if thread is not None:
+                if compute_thread:
                     span = (start, end)  # one tuple for the thread's span and, if it is one, the op's
-                    thread.append(span)
+                    if thread is not None:
+                        thread.append(span)
                 if host:
                     if name in ITERATOR_CALLS:
                         ev.iterator_calls.append((start, end))
