@@ -176,10 +176,10 @@ PROBED = 8  # executors_loop looks at the first 1/PROBED of each executor thread
 
 
 def executors_loop(space: XSpace) -> bool:
-    """Whether an event early on TF's op executors' threads (the first 1/``PROBED`` of each one's events) is a
-    TF while loop's iteration, by ``read_events``'s rule: an ``iter_num`` above 0, on an event that is not a step
-    marker or a tf.function call. A loop runs every step (``steps_per_execution`` > 1, an RNN), so its iterations
-    show from the first step a capture holds; the lines are read in full in any case."""
+    """Whether an event early on TF's op executors' threads (the first 1/``PROBED`` of each one's events, 1,000 at
+    least) is a TF while loop's iteration, by ``read_events``'s rule: an ``iter_num`` above 0, on an event that is
+    not a step marker or a tf.function call. A loop runs every step (``steps_per_execution`` > 1, an RNN), so its
+    iterations show from the first step a capture holds; the lines are read in full in any case."""
     for plane in space.planes:
         if not plane.name.startswith("/host"):
             continue
