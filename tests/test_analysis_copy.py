@@ -42,34 +42,24 @@ def test_the_op_that_shows_a_while_loop_ran_counts_in_how_busy_ops_keep_the_cpu(
     assert line.loops and line.ops_busy == pytest.approx(0.6)
 
 
-def _split_read(data: bytes):
-    """What the analysis does beside xprof: the deciding lines, xprof's copy made from them, then the rest."""
-    from tfprofd.daemon.analysis.timeline import deciding, predicted_hints, read_events, the_rest, timeline
-    from tfprofd.daemon.analysis.xprof import mark_steps
-    from tfprofd.daemon.protos import xplane_pb2
-
-    space = xplane_pb2.XSpace.FromString(data)
-    ev = read_events(space, only=deciding)
-    hints = predicted_hints(space, ev)
-    copy = None
-    if hints.needed:
-        mark_steps(space, hints, ev.marked)
-        copy = space.SerializeToString()
-    marked = len(ev.marked)
-    return hints, copy, timeline(read_events(space, only=the_rest, into=ev)), len(ev.marked) > marked
-
-
 @pytest.mark.parametrize("trace", TRACES, ids=[t.name.removesuffix(".xplane.pb.xz") for t in TRACES])
-def test_the_copy_and_timeline_made_beside_xprof_are_the_whole_traces(trace):
+def test_the_copy_and_timeline_made_beside_xprof_are_the_whole_traces(trace, tmp_path, monkeypatch):
+    """The analysis's own read (xprof's conversion left out): one conversion, of the copy the whole trace asks
+    for, byte for byte; and the timeline of one pass over the whole trace."""
+    from tfprofd.daemon.analysis import worker
     from tfprofd.daemon.analysis.timeline import read_events, timeline
     from tfprofd.daemon.analysis.xprof import _rewritten
     from tfprofd.daemon.protos import xplane_pb2
 
     data = lzma.decompress(trace.read_bytes())
     whole = timeline(read_events(xplane_pb2.XSpace.FromString(data)))
-    hints, copy, line, marks_elsewhere = _split_read(data)
-    assert line == whole and hints == whole.hints and not marks_elsewhere
-    assert copy == (_rewritten(data, hints) if hints.needed else None)  # byte for byte
+    local = tmp_path / "localhost.xplane.pb"
+    local.write_bytes(data)
+    converted = []
+    monkeypatch.setattr(worker, "_convert", lambda linked, verbose: converted.append(linked.read_bytes()))
+    line, _ = worker._read(local, verbose=False)
+    assert line == whole
+    assert converted == [_rewritten(data, whole.hints) if whole.hints.needed else data]
 
 
 def _copies(monkeypatch) -> list[tuple[int, bool]]:
