@@ -5,7 +5,8 @@
    analysis reads, in a fresh process), wall time and peak RSS, alternating; traces of 10, 50 and 300 MB made
    from a recorded one (tests/fixtures) by repeating its events later in time: a plain trace, and one whose copy
    for xprof must be rewritten (Keras 3's TensorBoard markers without ``_r=1``, ``steps_per_execution`` 8: a
-   while loop's ids hidden); ``--trace`` for others. Targets: the agent's analysis ≤ 1.5× xprof's own in time
+   while loop's ids hidden), and the recorded trace that peaks highest per event (``steps_per_execution`` 8 on
+   an input-bound job: many steps); ``--trace`` for others. Targets: the agent's analysis ≤ 1.5× xprof's own in time
    and memory; the memory estimate of captures.analysis_max_memory's precheck at or above every measured peak.
 2. end to end: a real agent and the Keras demo job (with the hook), captures of 2 s and of 20 s through the
    control API: each ends analysed, or ``too_large`` with its advice (default captures.analysis_max_memory),
@@ -29,7 +30,9 @@ from common import ROOT, rss_bytes
 from helpers import AgentProcess, job_reporting, start_training, wait_for
 
 TRACES = ROOT / "tests" / "fixtures" / "traces"
-SOURCES = ("plain-input_bottleneck", "corpus/keras3_tensorboard-spe8-compute")  # xprof reads / gets a copy
+# xprof reads the first, gets a rewritten copy of the second; the third peaks highest per event of the recorded
+# traces (many steps): the precheck's estimate must stay above it
+SOURCES = ("plain-input_bottleneck", "corpus/keras3_tensorboard-spe8-compute", "corpus/tf_keras_fit-spe8-input")
 TOOLS = ("overview_page", "input_pipeline_analyzer", "framework_op_stats", "kernel_stats")
 XPROF_ONLY = """
 import sys, tempfile

@@ -13,9 +13,11 @@ from .xprof import AnalysisError, find_traces
 # An analysis's peak memory against its largest trace, measured by bench/analysis_cost.py; xprof's own conversion
 # peaks the same (its converters hold the whole trace). What grows is the events and their stats, not the bytes:
 # 29 bytes of memory per byte of a CPU trace with few stats per event, 81 per byte of the Keras demo job's trace,
-# 17 per byte of a GPU trace. Per event and stat, every measured peak is under the estimate.
+# 17 per byte of a GPU trace. Traces where xprof finds many steps (short steps, steps_per_execution > 1) peak
+# highest per event: calibrated on every recorded trace enlarged to 25 MB, the estimate is 1.15-2.9x the peak
+# (1 KiB an event was under it by up to 24% on five of them, issue 24).
 BASE_BYTES = 64 * 1024**2  # Python, xprof's libraries
-BYTES_PER_EVENT = 1024
+BYTES_PER_EVENT = 1664
 BYTES_PER_STAT = 320
 FLOOR_PER_TRACE_BYTE = 8  # no trace measured needs less: larger than max/8 is too large unread
 
