@@ -15,6 +15,7 @@ Targets: 20 jobs: tfprofd's p99 at most 1/5 of node_exporter's (each way); RSS �
 core unscraped. 1,000 jobs: Prometheus's scrape p99 ≤ 1.5× the static server's, ``up`` never 0, kept-alive
 p99 ≤ node_exporter's, CPU ≤ 5% of a core. ``--quick``: tiny sizes and durations, no targets (CI);
 ``--spread``: the jobs report at their own phases over each second, as real ones do (one burst otherwise).
+``--plot=PATH``: draw the scaling table (scrape time and CPU against jobs, linear axes) as SVG for README.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from html import escape
 from http.client import HTTPConnection
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -243,6 +245,47 @@ def show(r: dict[str, float]) -> None:
           f"{'' if few else ' (target <= 5%)'}")
 
 
+PLOT_W, PLOT_H, MARGIN = 360, 220, 48
+SERIES = {  # panel title -> (result key, legend, colour) for each line it draws
+    "Prometheus scrape_duration_seconds (ms)": (("prometheus_tfprofd_p50_ms", "p50", "#1f77b4"),
+                                                ("prometheus_tfprofd_p99_ms", "p99", "#d62728")),
+    "agent CPU (% of a core)": (("tfprofd_cpu_scraped_pct", "scraped every 1 s", "#1f77b4"),
+                                ("tfprofd_cpu_pct", "unscraped", "#2ca02c")),
+}
+
+
+def plot(results: list[dict[str, float]]) -> str:
+    """The scaling table as an SVG of two panels against the number of jobs, both axes linear and from 0:
+    cost that grows linearly with the jobs is a straight line through the points. Written by hand (~30
+    lines) rather than adding a plotting library to the bench's dependencies for one chart."""
+    top = max(r["jobs"] for r in results)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * (PLOT_W + MARGIN)}" '
+           f'height="{PLOT_H + 2 * MARGIN}" font-family="sans-serif" font-size="11">',
+           '<rect width="100%" height="100%" fill="white"/>']
+    for panel, (title, lines) in enumerate(SERIES.items()):
+        left = MARGIN + panel * (PLOT_W + MARGIN)
+        high = max(r[key] for key, _, _ in lines for r in results) * 1.1 or 1.0
+
+        def xy(jobs: float, value: float) -> str:
+            return f"{left + jobs / top * PLOT_W:.1f},{MARGIN + PLOT_H - value / high * PLOT_H:.1f}"  # noqa: B023
+        out += [f'<text x="{left}" y="{MARGIN - 20}" font-weight="bold">{escape(title)}</text>',
+                f'<polyline points="{xy(0, high)} {xy(0, 0)} {xy(top, 0)}" fill="none" stroke="black"/>',
+                f'<text x="{left + PLOT_W / 2}" y="{MARGIN + PLOT_H + 30}" text-anchor="middle">reporting jobs</text>']
+        for i in range(5):
+            jobs, value = top * i / 4, high * i / 4
+            out += [f'<text x="{xy(jobs, 0).split(",")[0]}" y="{MARGIN + PLOT_H + 14}" '
+                    f'text-anchor="middle">{jobs:.0f}</text>',
+                    f'<text x="{left - 6}" y="{float(xy(0, value).split(",")[1]) + 4:.1f}" '
+                    f'text-anchor="end">{value:.3g}</text>']
+        for n, (key, legend, colour) in enumerate(lines):
+            points = [xy(r["jobs"], r[key]) for r in results]
+            out.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="{colour}"/>')
+            out += [f'<circle cx="{p.split(",")[0]}" cy="{p.split(",")[1]}" r="3" fill="{colour}"/>' for p in points]
+            out.append(f'<text x="{left + 10}" y="{MARGIN + 14 * (n + 1)}" fill="{colour}">{escape(legend)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
 def main() -> list[dict[str, float]]:
     results = []
     sizes = [int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--jobs=")] or sorted({*SCALING, FEW, MANY})
@@ -261,6 +304,9 @@ def main() -> list[dict[str, float]]:
         print(f"  {r['jobs']:5.0f} {r['series_lines']:6.0f} {r['prometheus_tfprofd_p50_ms']:13.1f} "
               f"{r['prometheus_tfprofd_p99_ms']:7.1f} {r['prometheus_floor_p99_ms']:10.1f} "
               f"{r['tfprofd_cpu_scraped_pct']:13.2f} {r['tfprofd_cpu_pct']:9.2f} {per_job:22.3f}")
+    for arg in sys.argv[1:]:
+        if arg.startswith("--plot="):
+            Path(arg.split("=", 1)[1]).write_text(plot(results))
     return results
 
 

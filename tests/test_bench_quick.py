@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,13 @@ def test_every_bench_has_a_quick_check():
 
 
 @pytest.mark.parametrize("bench", BENCHES)
-def test_bench_runs_in_quick_mode(bench):
-    result = subprocess.run([sys.executable, str(BENCH / bench), "--quick"], cwd=BENCH, capture_output=True,
-                            text=True, timeout=600)
+def test_bench_runs_in_quick_mode(bench, tmp_path):
+    plot = tmp_path / "scaling.svg"  # scrape.py also draws README's scaling plot
+    extra = [f"--plot={plot}"] if bench == "scrape.py" else []
+    result = subprocess.run([sys.executable, str(BENCH / bench), "--quick", *extra], cwd=BENCH,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{bench} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert LAST_WORDS[bench] in result.stdout, result.stdout[-3000:]
+    if extra:  # two panels of two lines each, every line through each size measured
+        lines = ET.parse(plot).getroot().findall("{http://www.w3.org/2000/svg}polyline")
+        assert [len(line.get("points").split()) for line in lines] == [3, 2, 2, 3, 2, 2]
