@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from prometheus_client.core import HistogramMetricFamily, Metric
 
@@ -64,6 +64,7 @@ UDP_GATHER_RATE = 100.0  # UDP reports a second from which they are gathered (be
 UDP_BATCH = 1024  # datagrams at most in one batch
 UDP_BATCH_BYTES = 1 << 20  # and bytes (a flood of 64 KiB datagrams holds no more than the socket's buffer)
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_CMSG_SPACE = socket.CMSG_SPACE(_CREDS.size)
 
 
 class Rejected(ValueError):
@@ -385,6 +386,15 @@ class UdpTable:
         self._lookups = lookups
 
     def on_port(self, port: int) -> list[ProcSocket]:
+        """The sockets bound to ``port``."""
+        return list(_sockets(port, *self._listed(port)))
+
+    def owners(self, address: str, port: int) -> Owners:
+        """Who may have sent from ``address``:``port`` (a datagram's source, as received)."""
+        return _owners(address, port, *self._listed(port))
+
+    def _listed(self, port: int) -> tuple[tuple[_DiagEntry, ...], tuple[str, ...]]:
+        """The sockets on ``port`` as the kernel listed them: over netlink, or as /proc/net/udp lines."""
         few = self._lookups is not None and self._lookups <= PORT_LOOKUPS
         if self._lines is None and (self._diag is None or few):
             self._diag = None
@@ -397,10 +407,8 @@ class UdpTable:
             if self._diag is None:
                 self._lines = self._read()
         if self._diag is not None:
-            found = ((_diag_address(family, src), state, uid) for family, state, src, uid in self._diag.get(port, ()))
-            return [ProcSocket(address, port, state, uid) for address, state, uid in found if address is not None]
-        found = (_parse_socket_line(line) for line in (self._lines or {}).get(port, ()))
-        return [s for s in found if s is not None and s.port == port]
+            return tuple(self._diag.get(port, ())), ()
+        return (), tuple((self._lines or {}).get(port, ()))
 
     def _read(self) -> dict[int, list[str]]:
         lines: dict[int, list[str]] = {}
@@ -417,6 +425,39 @@ class UdpTable:
                     continue
                 lines.setdefault(key, []).append(line)
         return lines
+
+
+def _sockets(port: int, entries: tuple[_DiagEntry, ...], lines: tuple[str, ...]) -> Iterator[ProcSocket]:
+    """The sockets on ``port`` from the kernel's netlink entries or /proc/net/udp lines."""
+    for family, state, src, uid in entries:
+        address = _diag_address(family, src)
+        if address is not None:
+            yield ProcSocket(address, port, state, uid)
+    for line in lines:
+        found = _parse_socket_line(line)
+        if found is not None and found.port == port:
+            yield found
+
+
+class Owners(NamedTuple):
+    """Who may have sent a UDP datagram, by the sockets on its source port."""
+
+    uids: frozenset[int]  # owners of a socket that may have sent from the source address
+    bound_here: bool  # a socket is bound to the source address itself (not only to every address)
+    loopback: bool  # the source address is a loopback address
+    text: str  # the source address as the agent writes it (an IPv4-mapped IPv6 address as IPv4)
+
+
+@functools.lru_cache(maxsize=4096)
+def _owners(address: str, port: int, entries: tuple[_DiagEntry, ...], lines: tuple[str, ...]) -> Owners:
+    """``UdpTable.owners``, kept for the same source and the same listing (the kernel's, each byte of it): a
+    thousand jobs' reports each second make the same answer, ~3 µs of ipaddress objects and comparisons each."""
+    ip = _ip(address)
+    if ip is None:  # no socket sends from what is not an IP address
+        return Owners(frozenset(), False, False, address)
+    exact = list(_sockets(port, entries, lines))
+    return Owners(frozenset(sender_uids(exact, ip, port)), any(s.address == ip for s in exact), ip.is_loopback,
+                  str(ip))
 
 
 def _reaches(bound: Address, target: Address) -> bool:
@@ -476,16 +517,14 @@ def identify_udp_sender(address: str, port: int, own_proc: Path = OWN_PROC, tabl
     ip = _ip(address)
     if ip is None:
         raise Rejected("unverified_sender", f"source address {address!r} is not an IP address")
-    exact = (table or UdpTable(own_proc)).on_port(port)
-    uids = sender_uids(exact, ip, port)
-    bound_here = any(s.address == ip for s in exact)
-    if uids and (ip.is_loopback or bound_here or _is_own_address(ip)):
+    uids, bound_here, loopback, text = (table or UdpTable(own_proc)).owners(address, port)
+    if uids and (loopback or bound_here or _is_own_address(ip)):
         if len(uids) > 1:
             raise Rejected("unverified_sender", f"sockets of several users ({sorted(uids)}) use {address} port {port}")
-        return Sender(local=False, address=str(ip), uid=uids.pop(), port=port)
-    if ip.is_loopback:
+        return Sender(local=False, address=text, uid=next(iter(uids)), port=port)
+    if loopback:
         raise Rejected("unverified_sender", f"no socket of this host sends from {address} port {port}")
-    return Sender(local=False, address=str(ip), port=port)
+    return Sender(local=False, address=text, port=port)
 
 
 def check_pid(report: Report, sender: Sender, own_proc: Path = OWN_PROC) -> bool:
@@ -814,9 +853,11 @@ class TrainingCollector(Collector):
     def _drain(self, sock: socket.socket, limit: int) -> list[tuple[bytes, Sender]] | None:
         """Up to ``limit`` datagrams waiting on the socket; None once the collector is closing."""
         batch = []
+        # the family once a drain: socket.family makes an enum each time (5% of the agent's CPU per datagram)
+        recv = self._recv_unix if sock.family == socket.AF_UNIX else self._recv_udp
         for _ in range(limit):
             try:
-                batch.append(self._recv(sock))
+                batch.append(recv(sock))
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
@@ -847,16 +888,19 @@ class TrainingCollector(Collector):
             if self._stop.wait(min(left, UDP_GATHER_STEP)):
                 return batch
 
-    def _recv(self, sock: socket.socket) -> tuple[bytes, Sender]:
-        if sock.family == socket.AF_UNIX:
-            payload, ancillary, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(_CREDS.size))
-            for level, kind, data in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CREDS.size:
-                    pid, uid, _ = _CREDS.unpack(data[:_CREDS.size])
-                    return payload, Sender(local=True, pid=pid, uid=uid)
-            return payload, Sender(local=True)  # no credentials: the pid check rejects it
-        payload, peer = sock.recvfrom(65536)
-        return payload, Sender(local=False, address=peer[0], port=peer[1])
+    @staticmethod
+    def _recv_unix(sock: socket.socket) -> tuple[bytes, Sender]:
+        payload, ancillary, _, _ = sock.recvmsg(65536, _CMSG_SPACE)
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CREDS.size:
+                pid, uid, _ = _CREDS.unpack(data[:_CREDS.size])
+                return payload, Sender(local=True, pid=pid, uid=uid)
+        return payload, Sender(local=True)  # no credentials: the pid check rejects it
+
+    @staticmethod
+    def _recv_udp(sock: socket.socket) -> tuple[bytes, Sender]:
+        payload, (address, port, *_) = sock.recvfrom(65536)
+        return payload, Sender(local=False, address=address, port=port)
 
     def receive(self, payload: bytes, sender: Sender, table: UdpTable | None = None) -> bool:
         """Validate and apply one report; count and drop anything malformed, whatever goes wrong. ``table``:
