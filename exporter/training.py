@@ -22,6 +22,7 @@ import functools
 import ipaddress
 import json
 import logging
+import math
 import operator
 import os
 import re
@@ -1075,11 +1076,12 @@ class TrainingCollector(Collector):
         live = list(state.processes.values())
         if len(live) > 1:
             live.sort(key=_report_time)
-        rates, steps, waiting, thresholds = [], [], [], []
+        rates, steps, waiting = [], [], []
+        until = math.inf  # when time alone changes this part: a fresh process goes quiet, the job goes down
         for p in live:
             report = p.latest
             if now - p.last_seen <= RATE_STALE_SECONDS:  # fresh: it counts as training and has a rate
-                thresholds.append(p.last_seen + RATE_STALE_SECONDS)
+                until = min(until, p.last_seen + RATE_STALE_SECONDS)
                 if report.phase == "train":
                     if p.samples_per_second is not None:
                         rates.append(p.samples_per_second)
@@ -1087,25 +1089,21 @@ class TrainingCollector(Collector):
                         steps.append(p.recent_step_seconds)
             if report.first_step_seconds is None:
                 waiting.append(wall - report.process_start)
-        newest = live[-1].latest if live else None
         up = now - state.last_seen <= self.settings.down_after
         if len(live) == 1:
+            newest: Report | None = live[0].latest
             epoch, phase, profilers = newest.epoch, newest.phase, (live[0].profiler or "",)
         else:
+            newest = live[-1].latest if live else None
             epoch = max(p.latest.epoch for p in live) if live else None
             phase = _phase(live) if live else None
             profilers = tuple(sorted({p.profiler or "" for p in live}))
-        row = _Row(key=series, totals=state.totals(), processes=len(live), up=up,
-                   rate=sum(rates) if rates else None, batch_size=newest.batch_size if newest else None,
-                   epoch=epoch, phase=phase, first_step_seconds=newest.first_step_seconds if newest else None,
-                   profilers=profilers)
-        signals: list[tuple[str, float]] = []
-        if rates:
-            signals.append(("samples_per_second", sum(rates)))
-        if steps:
-            signals.append(("step_seconds", sum(steps) / len(steps)))
-        if waiting:
-            signals.append(("seconds_without_first_step", max(waiting)))
+        rate = sum(rates) if rates else None
+        row = _Row(series, state.totals(), len(live), up, rate, newest.batch_size if newest else None, epoch, phase,
+                   newest.first_step_seconds if newest else None, profilers)
+        signals = (() if rate is None else (("samples_per_second", rate),)) + (
+            () if not steps else (("step_seconds", sum(steps) / len(steps)),)) + (
+            () if not waiting else (("seconds_without_first_step", max(waiting)),))
         views = []
         for p in state.processes.values():
             report = p.latest
@@ -1114,12 +1112,10 @@ class TrainingCollector(Collector):
                                      report.phase == "train" and fresh, p.profiler,
                                      p.samples_per_second if fresh else None, report.batch_size or p.recent_batch,
                                      p.pid_verified))
-        # when time alone changes this part: a fresh process goes quiet, the job goes down; a process
-        # still waiting for its first step reports a wall-clock age, so it is refrozen every sample
         if up:
-            thresholds.append(state.last_seen + self.settings.down_after)
-        until = now if waiting else min(thresholds, default=float("inf"))
-        return _Frozen(row, {"training_job": job, "worker": worker}, tuple(signals), tuple(views), until)
+            until = min(until, state.last_seen + self.settings.down_after)
+        # a process still waiting for its first step reports a wall-clock age, so it is refrozen every sample
+        return _Frozen(row, {"training_job": job, "worker": worker}, signals, tuple(views), now if waiting else until)
 
     def rule_signals(self) -> Signals:
         return self._sampled.signals
