@@ -74,8 +74,7 @@ class Rejected(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True)
-class Report:
+class Report(NamedTuple):
     job: str
     worker: str
     pid: int
@@ -591,8 +590,7 @@ def check_profiler(report: Report, sender: Sender, env: Environment, own_proc: P
 
 # ---- state ----
 
-@dataclass(frozen=True)
-class Counts:
+class Counts(NamedTuple):
     """A process's (or a job's summed) cumulative counters."""
 
     steps: int = 0
@@ -675,8 +673,7 @@ class TrainingProcesses:
     processes: tuple[ProcessView, ...]
 
 
-@dataclass(frozen=True)
-class _Row:
+class _Row(NamedTuple):
     """One (training_job, worker) series as a sample froze it."""
 
     key: tuple[str, str]
@@ -691,8 +688,7 @@ class _Row:
     profilers: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class _Frozen:
+class _Frozen(NamedTuple):
     """One job's part of a sample, kept while nothing about the job changes (an idle job costs nothing)."""
 
     row: _Row
