@@ -95,8 +95,7 @@ class Report(NamedTuple):
     outlier: bool = False  # it ends with a step far longer than the ones before, or follows such a report: sample now
 
 
-@dataclass(frozen=True)
-class Sender:
+class Sender(NamedTuple):
     """Who sent a datagram: a local process the kernel vouches for, or a UDP peer: a socket of this host (its
     owner's uid known from /proc/net/udp) or a remote one such as a pod (its address only)."""
 
@@ -650,8 +649,7 @@ class JobState:
         return total
 
 
-@dataclass(frozen=True)
-class ProcessView:
+class ProcessView(NamedTuple):
     """A reporting process as the rest of the agent sees it."""
 
     job: str
