@@ -21,6 +21,7 @@ import errno
 import functools
 import ipaddress
 import json
+import json.scanner
 import logging
 import math
 import operator
@@ -158,6 +159,21 @@ def parse_profiler_address(value: Any) -> str:
     return value
 
 
+_scan_json = json.scanner.make_scanner(json.JSONDecoder())  # what json.loads runs, with json.loads' settings
+
+
+def _decode(payload: bytes) -> Any:
+    """``json.loads(payload)``, without its Python steps (an encoding guessed, whitespace skipped at both ends)
+    for a payload that is an object from its first byte to its last, as every report is: a quarter of the
+    decoding of 1,000 reports a second (issue 24). The same values, and the same errors, as json.loads."""
+    # json.loads finds UTF-8 for such a payload (a second byte 0 would be UTF-16 or 32: left to json.loads)
+    if payload[:1] != b"{" or payload[-1:] != b"}" or payload[1:2] == b"\0":
+        return json.loads(payload)
+    text = payload.decode("utf-8", "surrogatepass")
+    data, end = _scan_json(text, 0)
+    return data if end == len(text) else json.loads(payload)  # more after the object: json.loads' own error
+
+
 def parse_report(payload: bytes, max_bytes: int) -> Report:
     """Validate one datagram of the hook's schema (README: "Hook report schema"); raise Rejected."""
     if len(payload) > max_bytes:
@@ -165,7 +181,7 @@ def parse_report(payload: bytes, max_bytes: int) -> Report:
     if payload.count(b"[") + payload.count(b"{") > MAX_BRACKETS:
         raise Rejected("too_deep", "more nesting than a report has")
     try:
-        data = json.loads(payload)
+        data = _decode(payload)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise Rejected("malformed_json", str(exc)) from None
     if not isinstance(data, dict):
