@@ -459,8 +459,9 @@ class Engine:
                     self._set_active(labels_key, state, True)
                     self._firings[rule.name] = self._firings.get(rule.name, 0) + 1
                     out.append(Transition(FIRING, rule, labels, value))
-            if len(states) > len(series):
-                for key in states.keys() - {key for key, _ in series}:
+            if len(states) > len(series):  # a series is gone (each series has its state by now)
+                live = {key for key, _ in series}
+                for key in [k for k in states if k not in live]:
                     state = states.pop(key)
                     self._version += 1
                     if state.active:
