@@ -34,7 +34,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -312,7 +312,7 @@ NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
 INET_DIAG_REQ_BYTECODE = 1
 INET_DIAG_BC_S_GE, INET_DIAG_BC_S_LE = 2, 3
-PORT_LOOKUPS = 4  # a batch of at most this many datagrams asks the kernel for each one's port, not for every socket
+PORT_FILTER = 64  # a batch from at most this many source ports asks the kernel for their sockets, not for every one
 _NLM_F_DUMP_REQUEST = 0x301  # NLM_F_REQUEST | NLM_F_DUMP
 _NLMSG_ERROR, _NLMSG_DONE = 2, 3
 
@@ -320,19 +320,14 @@ _NLMSG_ERROR, _NLMSG_DONE = 2, 3
 _DiagEntry = tuple[int, int, bytes, int]  # family, state, local address, uid: a ProcSocket once asked for
 
 
-def diag_udp_sockets(port: int | None = None) -> dict[int, list[_DiagEntry]]:
+def diag_udp_sockets(ports: Collection[int] | None = None) -> dict[int, list[_DiagEntry]]:
     """The agent's network namespace's UDP sockets (IPv4 and IPv6), by local port, as the kernel's sock_diag
     lists them over netlink: what /proc/net/udp{,6} says, without formatting and parsing text (a third of
-    the cost with a thousand sockets); with ``port``, only those bound to it (the kernel filters them: a
-    tenth of the cost again). Raises OSError where the kernel does not answer (no udp_diag module, netlink
-    refused by a sandbox)."""
+    the cost with a thousand sockets); with ``ports``, only those bound to one of them (the kernel filters
+    them: a tenth of the cost again). Raises OSError where the kernel does not answer (no udp_diag module,
+    netlink refused by a sandbox)."""
     found: dict[int, list[_DiagEntry]] = {}
-    if port is None:
-        only = b""
-    else:  # local port >= port, then <= port: "yes" goes on to the next test, "no" jumps past the end (refused)
-        tests = (_BYTECODE_OP.pack(INET_DIAG_BC_S_GE, 8, 20) + _BYTECODE_OP.pack(0, 0, port)
-                 + _BYTECODE_OP.pack(INET_DIAG_BC_S_LE, 8, 12) + _BYTECODE_OP.pack(0, 0, port))
-        only = struct.pack("=HH", 4 + len(tests), INET_DIAG_REQ_BYTECODE) + tests
+    only = b"" if ports is None else _port_filter(sorted(set(ports)))
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
         nl.settimeout(2.0)  # the kernel answers at once; never hang the listener on it (then /proc is read)
         for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), 1):
@@ -342,6 +337,23 @@ def diag_udp_sockets(port: int | None = None) -> dict[int, list[_DiagEntry]]:
             while not _diag_part(nl.recv(1 << 16), seq, found):
                 pass
     return found
+
+
+def _port_filter(ports: list[int]) -> bytes:
+    """sock_diag bytecode that accepts a socket whose local port is one of ``ports`` (ascending). The kernel
+    walks a program along its "yes" jumps (each to the next test here) and accepts one that ends exactly at
+    its end; a "no" jumps to the end (accepted) or 4 bytes past it (refused). For each port: a local port
+    below it is none of them (refused); then one above it goes on to the next port, and one not above it is
+    it (accepted); past the last port, one not at most it is refused."""
+    length, tests = 16 * len(ports), b""
+    for i, port in enumerate(ports):
+        left = length - 16 * i  # bytes from this port's first test to the end
+        tests += _BYTECODE_OP.pack(INET_DIAG_BC_S_GE, 8, left + 4) + _BYTECODE_OP.pack(0, 0, port)
+        if i < len(ports) - 1:
+            tests += _BYTECODE_OP.pack(INET_DIAG_BC_S_GE, 8, left - 8) + _BYTECODE_OP.pack(0, 0, port + 1)
+        else:
+            tests += _BYTECODE_OP.pack(INET_DIAG_BC_S_LE, 8, 12) + _BYTECODE_OP.pack(0, 0, port)
+    return struct.pack("=HH", 4 + len(tests), INET_DIAG_REQ_BYTECODE) + tests
 
 
 def _diag_part(data: bytes, seq: int, found: dict[int, list[_DiagEntry]]) -> bool:
@@ -387,18 +399,20 @@ class UdpTable:
 
     diag_problem: ClassVar[str | None] = None  # why netlink did not answer (then /proc is read from then on)
 
-    def __init__(self, own_proc: Path = OWN_PROC, lookups: int | None = None):
-        """``lookups``: how many datagrams the table will be asked about, if known (a few ask the kernel for
-        their ports alone, ``PORT_LOOKUPS``)."""
+    def __init__(self, own_proc: Path = OWN_PROC, ports: Collection[int] | None = None):
+        """``ports``: the source ports the table will be asked about, if known (from a few, ``PORT_FILTER``,
+        the kernel is asked for their sockets alone)."""
         self._own_proc = own_proc
-        self._lookups = lookups
+        self._ports = ports
+        self._filtered = False  # the netlink read has only the sockets on ``ports``
         self._lines: dict[int, list[str]] | None = None
         self._diag: dict[int, list[_DiagEntry]] | None = None
 
-    def received_more(self, lookups: int | None = None) -> None:
-        """More datagrams were received since the table was read: the next lookup reads it again."""
+    def received_more(self, ports: Collection[int] | None = None) -> None:
+        """More datagrams were received since the table was read (from ``ports``, if known): the next lookup
+        reads it again."""
         self._lines = self._diag = None
-        self._lookups = lookups
+        self._ports = ports
 
     def on_port(self, port: int) -> list[ProcSocket]:
         """The sockets bound to ``port``."""
@@ -410,12 +424,16 @@ class UdpTable:
 
     def _listed(self, port: int) -> tuple[tuple[_DiagEntry, ...], tuple[str, ...]]:
         """The sockets on ``port`` as the kernel listed them: over netlink, or as /proc/net/udp lines."""
-        few = self._lookups is not None and self._lookups <= PORT_LOOKUPS
-        if self._lines is None and (self._diag is None or few):
-            self._diag = None
+        if self._ports is not None and port not in self._ports:  # asked about another port: every socket
+            self._ports = None
+            if self._filtered:
+                self._diag = None
+        if self._lines is None and self._diag is None:
+            few = self._ports is not None and len(self._ports) <= PORT_FILTER
             if self._own_proc == OWN_PROC and UdpTable.diag_problem is None:
                 try:
-                    self._diag = diag_udp_sockets(port if few else None)  # read now: after the datagram came
+                    self._diag = diag_udp_sockets(self._ports if few else None)  # now: after the datagrams came
+                    self._filtered = few
                 except OSError as exc:
                     UdpTable.diag_problem = str(exc)
                     log.info("UDP senders are identified from /proc/net/udp (sock_diag: %s)", exc)
@@ -848,7 +866,7 @@ class TrainingCollector(Collector):
                 batch = self._drain(sock, 256)  # at most this many, so the stop flag is seen under a flood
                 if batch is None:
                     return
-                table = UdpTable(lookups=len(batch))  # read once for the batch, when its first UDP report needs it
+                table = UdpTable(ports=_ports(batch))  # read once for the batch, when its first UDP report needs it
                 for payload, sender in batch:  # at once: a job's last report comes as it exits
                     self.receive(payload, sender, table)
                 udp = sock.family != socket.AF_UNIX
@@ -857,7 +875,7 @@ class TrainingCollector(Collector):
                     if more is None or self._stop.is_set():
                         return
                     rate.add(len(more))
-                    table.received_more(len(more))
+                    table.received_more(_ports(more))
                     for payload, sender in more:
                         self.receive(payload, sender, table)
 
@@ -1236,6 +1254,11 @@ def _job_lines(row: _Row) -> list[str]:
         + f"{_INF_LE}{labels}{count}\n{_P}step_duration_seconds_count{{{labels}{count}\n"
         f"{_P}step_duration_seconds_sum{{{labels}{go_float(totals.step_sum)}\n",
     ]
+
+
+def _ports(batch: list[tuple[bytes, Sender]]) -> set[int]:
+    """The UDP source ports of a batch of datagrams."""
+    return {sender.port for _, sender in batch if sender.port is not None}
 
 
 def _report_time(process: ProcessState) -> float:
