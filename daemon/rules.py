@@ -234,6 +234,8 @@ class History:
         self._values.append(value)
 
     def drop_before(self, t: float) -> None:
+        if self._start == len(self._times) or self._times[self._start] >= t:
+            return  # nothing to drop (a series younger than what the rules keep: no bisection each sample)
         start = bisect_left(self._times, t, self._start)
         if start > 64 and 2 * start > len(self._times):
             del self._times[:start]
@@ -254,7 +256,8 @@ class History:
     def between(self, start: float, end: float = math.inf) -> list[float]:
         """The values of the samples at ``start`` <= t < ``end``."""
         first = bisect_left(self._times, start, self._start)
-        return self._values[first:bisect_left(self._times, end, first)].tolist()
+        last = len(self._times) if end == math.inf else bisect_left(self._times, end, first)
+        return self._values[first:last].tolist()
 
     def forget_sorted(self) -> None:
         """Drop the windows kept sorted (the rules changed: a window no rule uses any more must not stay)."""
@@ -334,7 +337,7 @@ class Engine:
     # signal -> series -> history: a rule reads its own signal's series, and a job's series of another
     # signal by one lookup, so evaluating n series costs O(n), not O(n²) (1,000 jobs, issue 24)
     _history: dict[str, dict[Labels, History]] = field(default_factory=dict)
-    _states: dict[tuple[str, Labels], _State] = field(default_factory=dict)
+    _states: dict[str, dict[Labels, _State]] = field(default_factory=dict)  # rule -> series -> its state
     _firings: dict[str, int] = field(default_factory=dict)
     _firing_jobs: dict[str, int] = field(default_factory=dict)  # training_job -> its active states
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -354,11 +357,11 @@ class Engine:
                     history.forget_sorted()  # each rule's baseline is sorted again at its next evaluation
             kept = {r.name for r in rules if old.get(r.name) == r}
             out = [Transition(RESOLVED, old[name], dict(labels), s.value, "rule removed or changed")
-                   for (name, labels), s in self._states.items() if name not in kept and s.active]
-            for (name, labels), s in list(self._states.items()):
-                if name not in kept:
+                   for name, states in self._states.items() if name not in kept
+                   for labels, s in states.items() if s.active]
+            for name in [n for n in self._states if n not in kept]:
+                for labels, s in self._states.pop(name).items():
                     self._set_active(labels, s, False)
-                    del self._states[(name, labels)]
                     self._version += 1
             return out
 
@@ -385,23 +388,24 @@ class Engine:
         """Record one sample of a collector's signals (at monotonic time ``now``) and evaluate the rules
         that use them; ``training(labels)`` says whether a job trains where a series is."""
         with self._lock:
-            keep = self._keep_seconds()
-            seen: set[tuple[str, Labels]] = set()
+            oldest = now - self._keep_seconds()
+            seen: dict[str, set[Labels]] = {}
             for signal, series in signals.items():
                 histories = self._history.setdefault(signal, {})
+                keys = seen[signal] = set()
                 for labels, value in series:
                     if not math.isfinite(value):
                         continue
                     key = tuple(sorted(labels.items()))
-                    seen.add((signal, key))
+                    keys.add(key)
                     history = histories.get(key)
                     if history is None:
                         history = histories[key] = History()
                     history.append(now, value)
-                    history.drop_before(now - keep)
+                    history.drop_before(oldest)
             for signal, histories in self._history.items():
                 if self.catalog[signal][0] == source:
-                    for key in [k for k in histories if (signal, k) not in seen]:
+                    for key in histories.keys() - seen.get(signal, set()):
                         del histories[key]  # the GPU, job or interface is gone
             return self._evaluate(source, now, training)
 
@@ -410,7 +414,9 @@ class Engine:
         wanted = self.catalog[condition.signal][1]
         histories = self._history.get(condition.signal, {})
         shared = {k: v for k, v in labels.items() if k in wanted}
-        if shared and len(shared) == len(wanted):  # the one series with these labels: a lookup, not a scan
+        if not shared:  # every series (a rule's primary condition)
+            return list(histories.items())
+        if len(shared) == len(wanted):  # the one series with these labels: a lookup, not a scan
             key = tuple(sorted(shared.items()))
             history = histories.get(key)
             return [] if history is None else [(key, history)]
@@ -421,21 +427,23 @@ class Engine:
         for rule in self.rules:
             if not any(self.catalog[c.signal][0] == source for c in rule.conditions):
                 continue
-            primary = rule.conditions[0]
-            live: set[Labels] = set()
-            for labels_key, history in self._series(primary, {}):
-                live.add(labels_key)
-                labels = dict(labels_key)
+            primary, extras = rule.conditions[0], rule.conditions[1:]
+            states = self._states.setdefault(rule.name, {})
+            series = self._series(primary, {})
+            for labels_key, history in series:
                 ok, value = holds(primary, history, now)
-                for extra in rule.conditions[1:]:
+                state = states.get(labels_key)
+                if state is None:
+                    state = states[labels_key] = _State()
+                    self._version += 1
+                state.value = value
+                if not (ok or state.active or state.pending_since is not None):
+                    continue  # nothing holds or held: no labels to make (most series, most samples)
+                labels = dict(labels_key)
+                for extra in extras:
                     ok = ok and any(holds(extra, h, now)[0] for _, h in self._series(extra, labels))
                 if ok and rule.while_training:
                     ok = training(labels)
-                state = self._states.get((rule.name, labels_key))
-                if state is None:
-                    state = self._states[(rule.name, labels_key)] = _State()
-                    self._version += 1
-                state.value = value
                 if not ok:
                     if state.active:
                         out.append(Transition(RESOLVED, rule, labels, value, "condition cleared"))
@@ -451,14 +459,16 @@ class Engine:
                     self._set_active(labels_key, state, True)
                     self._firings[rule.name] = self._firings.get(rule.name, 0) + 1
                     out.append(Transition(FIRING, rule, labels, value))
-            for key in [k for k in self._states if k[0] == rule.name and k[1] not in live]:
-                state = self._states.pop(key)
-                self._version += 1
-                if state.active:
-                    out.append(Transition(RESOLVED, rule, dict(key[1]), state.value, "series gone"))
-                    self._set_active(key[1], state, False)
-                elif state.pending_since is not None:
-                    out.append(Transition(CLEARED, rule, dict(key[1]), state.value, "series gone"))
+            if len(states) > len(series):  # a series is gone (each series has its state by now)
+                live = {key for key, _ in series}
+                for key in [k for k in states if k not in live]:
+                    state = states.pop(key)
+                    self._version += 1
+                    if state.active:
+                        out.append(Transition(RESOLVED, rule, dict(key), state.value, "series gone"))
+                        self._set_active(key, state, False)
+                    elif state.pending_since is not None:
+                        out.append(Transition(CLEARED, rule, dict(key), state.value, "series gone"))
         return out
 
     def history(self, signal: str, labels: dict[str, str]) -> list[tuple[float, float]]:
@@ -478,7 +488,8 @@ class Engine:
             if self._collected is not None and self._collected[0] == self._version:
                 return self._collected[1]
             version = self._version
-            states = sorted((k, s.active) for k, s in self._states.items())
+            states = sorted(((name, labels), s.active) for name, kept in self._states.items()
+                            for labels, s in kept.items())
             firings = dict(self._firings)
             names = [r.name for r in self.rules]
         families: list[Metric] = [

@@ -311,7 +311,8 @@ def test_the_kernels_socket_list_tells_each_users_udp_sender_apart():
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
     try:
         v4_port, v6_port = map(int, other.stdout.readline().split())
-        for table in (UdpTable(), UdpTable(lookups=1)):  # every socket listed, or (a few datagrams) one port's
+        asked = {v4_port, v6_port, own.getsockname()[1], shared_port}
+        for table in (UdpTable(), UdpTable(ports=asked)):  # every socket listed, or (a few datagrams) their ports
             assert identify_udp_sender("127.0.0.1", v4_port, table=table).uid == 65534
             assert identify_udp_sender("::1", v6_port, table=table).uid == 65534  # bound to every address
             assert identify_udp_sender("::1", own.getsockname()[1], table=table).uid == 0
@@ -335,7 +336,7 @@ def test_without_the_kernels_socket_list_senders_are_identified_from_proc(monkey
 
     from tfprofd.exporter import training
 
-    def refused(port: int | None = None) -> None:
+    def refused(ports: object = None) -> None:
         raise OSError(errno.EPROTONOSUPPORT, "Protocol not supported")
 
     monkeypatch.setattr(training, "diag_udp_sockets", refused)
@@ -347,3 +348,28 @@ def test_without_the_kernels_socket_list_senders_are_identified_from_proc(monkey
         assert training.identify_udp_sender("127.0.0.1", s.getsockname()[1]).uid == os.geteuid()
     assert UdpTable.diag_problem == "[Errno 93] Protocol not supported"
     assert caplog.text.count("identified from /proc/net/udp") == 1
+
+
+def test_a_batch_asks_the_kernel_for_the_sockets_on_its_senders_ports_in_one_read():
+    """A batch of datagrams from a few dozen ports is checked against one sock_diag read filtered to those ports
+    (not one read per port, nor every socket on the host): it lists exactly the sockets on them, whatever ports
+    they are (the lowest, the highest, ports nobody has bound), as the kernel's full list does."""
+    from tfprofd.exporter.training import PORT_FILTER, diag_udp_sockets, identify_udp_sender
+
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(40)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in sockets]
+        every = diag_udp_sockets()
+        rng = random.Random(24)
+        for n in (1, 2, 3, 17, PORT_FILTER - 2):
+            asked = {*rng.sample(ports, min(n, len(ports))), 1, 65535, rng.randint(1, 65535)}
+            listed = diag_udp_sockets(asked)
+            assert set(listed) <= asked
+            assert {p: sorted(listed.get(p, [])) for p in asked} == {p: sorted(every.get(p, [])) for p in asked}
+        table = UdpTable(ports=set(ports))  # a batch from these ports: one read, filtered to them
+        assert all(identify_udp_sender("127.0.0.1", p, table=table).uid == os.geteuid() for p in ports)
+    finally:
+        for s in sockets:
+            s.close()
