@@ -5,9 +5,10 @@
    analysis reads, in a fresh process), wall time and peak RSS, alternating; traces of 10, 50 and 300 MB made
    from a recorded one (tests/fixtures) by repeating its events later in time: a plain trace, and one whose copy
    for xprof must be rewritten (Keras 3's TensorBoard markers without ``_r=1``, ``steps_per_execution`` 8: a
-   while loop's ids hidden), and the recorded trace that peaks highest per event (``steps_per_execution`` 8 on
-   an input-bound job: many steps); ``--trace`` for others. Targets: the agent's analysis ≤ 1.5× xprof's own in time
-   and memory; the memory estimate of captures.analysis_max_memory's precheck at or above every measured peak.
+   while loop's ids hidden), and up to 50 MB the recorded trace that peaks highest per event
+   (``steps_per_execution`` 8 on an input-bound job: many steps); ``--trace`` for others. Targets: the agent's
+   analysis ≤ 1.5× xprof's own in time and memory; the memory estimate of captures.analysis_max_memory's
+   precheck at or above every measured peak.
 2. end to end: a real agent and the Keras demo job (with the hook), captures of 2 s and of 20 s through the
    control API: each ends analysed, or ``too_large`` with its advice (default captures.analysis_max_memory),
    never a timeout; the agent's own RSS.
@@ -30,9 +31,10 @@ from common import ROOT, rss_bytes
 from helpers import AgentProcess, job_reporting, start_training, wait_for
 
 TRACES = ROOT / "tests" / "fixtures" / "traces"
-# xprof reads the first, gets a rewritten copy of the second; the third peaks highest per event of the recorded
-# traces (many steps): the precheck's estimate must stay above it
-SOURCES = ("plain-input_bottleneck", "corpus/keras3_tensorboard-spe8-compute", "corpus/tf_keras_fit-spe8-input")
+SOURCES = ("plain-input_bottleneck", "corpus/keras3_tensorboard-spe8-compute")  # xprof reads / gets a copy
+# The recorded trace that peaks highest per event (many steps): the precheck's estimate must stay above it. Run at
+# the default sizes up to 50 MB only: at 300 MB it would peak near 21 GB, xprof's own conversion near 19.
+WORST, WORST_MAX_MB = "corpus/tf_keras_fit-spe8-input", 50
 TOOLS = ("overview_page", "input_pipeline_analyzer", "framework_op_stats", "kernel_stats")
 XPROF_ONLY = """
 import sys, tempfile
@@ -182,6 +184,8 @@ def main() -> None:
     if missing:
         parser.error(f"no {', '.join(missing)} under {TRACES} (a name without .xplane.pb.xz)")
     ok = against_size(sources, sizes, args.quick, args.rounds)
+    if not args.trace:
+        ok = against_size([WORST], [mb for mb in sizes if mb <= WORST_MAX_MB], args.quick, args.rounds) and ok
     if not args.no_e2e:
         ok = end_to_end([500] if args.quick else [2000, 20000], args.quick) and ok
     sys.exit(0 if ok else 1)
