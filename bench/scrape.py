@@ -262,25 +262,25 @@ def plot(results: list[dict[str, float]]) -> str:
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * (PLOT_W + MARGIN)}" '
            f'height="{PLOT_H + 2 * MARGIN}" font-family="sans-serif" font-size="11">',
            '<rect width="100%" height="100%" fill="white"/>']
+    bottom = MARGIN + PLOT_H
     for panel, (title, lines) in enumerate(SERIES.items()):
         left = MARGIN + panel * (PLOT_W + MARGIN)
         high = max(r[key] for key, _, _ in lines for r in results) * 1.1 or 1.0
-
-        def xy(jobs: float, value: float) -> str:
-            return f"{left + jobs / top * PLOT_W:.1f},{MARGIN + PLOT_H - value / high * PLOT_H:.1f}"  # noqa: B023
+        x_per_job, y_per_unit = PLOT_W / top, PLOT_H / high
         out += [f'<text x="{left}" y="{MARGIN - 20}" font-weight="bold">{escape(title)}</text>',
-                f'<polyline points="{xy(0, high)} {xy(0, 0)} {xy(top, 0)}" fill="none" stroke="black"/>',
-                f'<text x="{left + PLOT_W / 2}" y="{MARGIN + PLOT_H + 30}" text-anchor="middle">reporting jobs</text>']
+                f'<polyline points="{left:.1f},{MARGIN:.1f} {left:.1f},{bottom:.1f} {left + PLOT_W:.1f},{bottom:.1f}" '
+                'fill="none" stroke="black"/>',
+                f'<text x="{left + PLOT_W / 2}" y="{bottom + 30}" text-anchor="middle">reporting jobs</text>']
         for i in range(5):
             jobs, value = top * i / 4, high * i / 4
-            out += [f'<text x="{xy(jobs, 0).split(",")[0]}" y="{MARGIN + PLOT_H + 14}" '
-                    f'text-anchor="middle">{jobs:.0f}</text>',
-                    f'<text x="{left - 6}" y="{float(xy(0, value).split(",")[1]) + 4:.1f}" '
+            out += [f'<text x="{left + jobs * x_per_job:.1f}" y="{bottom + 14}" text-anchor="middle">{jobs:.0f}</text>',
+                    f'<text x="{left - 6}" y="{bottom - value * y_per_unit + 4:.1f}" '
                     f'text-anchor="end">{value:.3g}</text>']
         for n, (key, legend, colour) in enumerate(lines):
-            points = [xy(r["jobs"], r[key]) for r in results]
-            out.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="{colour}"/>')
-            out += [f'<circle cx="{p.split(",")[0]}" cy="{p.split(",")[1]}" r="3" fill="{colour}"/>' for p in points]
+            points = [(left + r["jobs"] * x_per_job, bottom - r[key] * y_per_unit) for r in results]
+            out.append(f'<polyline points="{" ".join(f"{x:.1f},{y:.1f}" for x, y in points)}" fill="none" '
+                       f'stroke="{colour}"/>')
+            out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"/>' for x, y in points]
             out.append(f'<text x="{left + 10}" y="{MARGIN + 14 * (n + 1)}" fill="{colour}">{escape(legend)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
