@@ -91,8 +91,10 @@ def timed(command: list[str]) -> tuple[float, int]:
     with tempfile.NamedTemporaryFile("r", prefix="tfprofd-bench-", suffix=".measure") as result:
         proc = subprocess.run([sys.executable, "-c", MEASURE, result.name, *command], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL)
-        seconds, peak, code = result.read().split()
-    assert proc.returncode == 0 and code == "0", f"{command[:4]} exited {code}: {proc.stdout[-500:]!r}"
+        measured = result.read().split()
+    assert proc.returncode == 0 and len(measured) == 3, f"measuring {command[:4]} failed: {proc.stdout[-500:]!r}"
+    seconds, peak, code = measured
+    assert code == "0", f"{command[:4]} exited {code}: {proc.stdout[-500:]!r}"
     return float(seconds), int(peak)
 
 

@@ -42,6 +42,7 @@ QUICK = "--quick" in sys.argv
 JOBS = 20 if QUICK else 1000
 ROUNDS = 2 if QUICK else 9
 BATCH = 256
+TEXT_TABLE = "bench: /proc/net/udp, as before netlink"  # set as why netlink failed: the agent reads the text
 
 
 def main() -> None:
@@ -114,14 +115,14 @@ def main() -> None:
                     medians[name] = [h.median_between(now - 620, now - 20, "baseline") for h in baselines]
                 medians[name + " seconds"] = [time.perf_counter() - t0]
             assert medians["afresh"] == medians["slid"]
-            UdpTable.diag_problem = "bench: /proc/net/udp, as before netlink"  # the text table
+            UdpTable.diag_problem = TEXT_TABLE
             t0 = time.perf_counter()
             for port in ports[:BATCH]:
                 identify_udp_sender("127.0.0.1", port)
             t1 = time.perf_counter()
             batched = {}
             for name in sorted(("per_batch", "per_batch_text"), reverse=round_ % 2 == 1):
-                UdpTable.diag_problem = None if name == "per_batch" else "bench: /proc/net/udp, as before netlink"
+                UdpTable.diag_problem = None if name == "per_batch" else TEXT_TABLE
                 started_batches = time.perf_counter()
                 for i in range(0, len(ports), BATCH):
                     table = UdpTable()
