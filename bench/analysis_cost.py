@@ -105,13 +105,15 @@ HEADER = ("source | trace MB | agent's analysis s / MB peak | xprof's conversion
 def side_by_side(capture: Path, quick: bool, rounds: int = 1, source: str = "captured") -> bool:
     """The agent's analysis of one capture against xprof's own conversion of its trace, alternating (agent,
     xprof, agent; ``rounds`` times): one line a round, each ratio against the mean of the agents around it."""
-    from tfprofd.daemon.analysis.capture import needed_memory
+    from tfprofd.daemon.analysis.memory import needed_memory
+    from tfprofd.daemon.analysis.timeline import load
 
     [trace] = capture.glob("plugins/profile/*/*.xplane.pb")
     size = trace.stat().st_size
-    agent = [sys.executable, "-m", "tfprofd.daemon.analysis", str(capture), "--json"]
+    # as the agent runs it (captures.py), with the memory check it makes, against a budget that refuses nothing
+    agent = [sys.executable, "-m", "tfprofd.daemon.analysis", str(capture), "--json", "--max-memory", str(1 << 50)]
     xprof = [sys.executable, "-c", XPROF_ONLY, str(trace), *TOOLS]
-    estimate = needed_memory(trace, 1 << 50)
+    estimate = needed_memory(load(trace))
     ok = True
     for _ in range(rounds):
         a_s, a_rss = timed(agent)  # alternating: the load of the moment falls on both

@@ -118,3 +118,46 @@ def test_the_agents_analysis_leaves_the_capture_as_it_was_written(tmp_path):
     files = sorted(p.relative_to(record.directory) for p in Path(record.directory).rglob("*") if p.is_file())
     assert files == [Path("plugins/profile/run/w0.xplane.pb")]
     assert record.bytes == len(trace)
+
+
+def test_a_trace_whose_events_need_more_than_the_budget_is_refused_before_xprof_reads_it(tmp_path):
+    """``tfprofd analyze --max-memory``, as the agent runs it: a trace small in bytes whose events need more than
+    the budget is refused with the estimate and what to do, and nothing is written beside it; with the
+    estimate as the budget it is analysed. The estimate counts every event and, on long lines, a sample of
+    their stats: within 1% of counting them all on the recorded traces, every other event a marker included."""
+    import subprocess
+    import sys
+
+    from tfprofd.daemon.analysis.memory import BASE_BYTES, BYTES_PER_EVENT, BYTES_PER_STAT, needed_memory
+    from tfprofd.daemon.analysis.timeline import load
+    from tfprofd.daemon.protos import xplane_pb2
+
+    run = tmp_path / "capture" / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    trace = run / "host.xplane.pb"
+    trace.write_bytes(lzma.decompress((FIXTURES / "traces" / "plain-small_batch.xplane.pb.xz").read_bytes()))
+    space = load(trace)
+    events = sum(len(line.events) for plane in space.planes for line in plane.lines)
+    stats = sum(len(event.stats) for plane in space.planes for line in plane.lines for event in line.events)
+    estimate = needed_memory(space)
+    assert abs(estimate / (BASE_BYTES + BYTES_PER_EVENT * events + BYTES_PER_STAT * stats) - 1) < 0.01
+    patterned = xplane_pb2.XSpace()
+    line = patterned.planes.add(name="/host:CPU").lines.add(name="python")
+    for i in range(10_000):  # every other event a marker with 8 stats: a sample in step with it would be 0 or 2x
+        event = line.events.add(metadata_id=1, offset_ps=i)
+        for _ in range(8 if i % 2 else 0):
+            event.stats.add(metadata_id=1, int64_value=i)
+    sampled_stats = (needed_memory(patterned) - BASE_BYTES - BYTES_PER_EVENT * 10_000) / BYTES_PER_STAT
+    assert abs(sampled_stats / 40_000 - 1) < 0.05, sampled_stats
+
+    def analyze(budget: int) -> tuple[int, dict]:
+        done = subprocess.run([sys.executable, "-m", "tfprofd.daemon.analysis", str(tmp_path / "capture"), "--json",
+                               "--max-memory", str(budget)], capture_output=True, text=True, timeout=600)
+        return done.returncode, json.loads(done.stdout)
+
+    code, answer = analyze(estimate - 1)
+    assert code == 1 and answer["reason"] == "too_large", answer
+    assert f"needs about {estimate / 2**20:.0f} MiB" in answer["error"] and "shorter captures" in answer["error"]
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == [trace]  # xprof never opened it
+    code, answer = analyze(estimate)
+    assert code == 0 and answer["steps"] > 0, answer

@@ -6,61 +6,19 @@ import statistics
 from pathlib import Path
 
 from .classify import STRAGGLER
+from .memory import refuse_unread
 from .model import ONE_WINDOW, PART_WORDS, CaptureAnalysis, Straggler, WorkerAnalysis
 from .worker import analyze_worker
-from .xprof import AnalysisError, find_traces
-
-# An analysis's peak memory against its largest trace, measured by bench/analysis_cost.py; xprof's own conversion
-# peaks the same (its converters hold the whole trace). What grows is the events and their stats, not the bytes:
-# 29 bytes of memory per byte of a CPU trace with few stats per event, 81 per byte of the Keras demo job's trace,
-# 17 per byte of a GPU trace. Traces where xprof finds many steps (short steps, steps_per_execution > 1) peak
-# highest per event: calibrated on every recorded trace enlarged to 25 MB, the estimate is 1.15-2.9x the peak
-# (1 KiB an event was under it by up to 24% on five of them, issue 24).
-BASE_BYTES = 64 * 1024**2  # Python, xprof's libraries
-BYTES_PER_EVENT = 1664
-BYTES_PER_STAT = 320
-FLOOR_PER_TRACE_BYTE = 8  # no trace measured needs less: larger than max/8 is too large unread
+from .xprof import find_traces
 
 
-class TooLarge(AnalysisError):
-    """The capture's analysis would need more memory than it may have."""
-
-
-def needed_memory(trace: Path, max_bytes: int) -> int:
-    """The memory analysing ``trace`` needs (estimated from its events and stats; from its size alone where that
-    is already more than ``max_bytes``, so a huge trace is not read to be refused)."""
-    from ..protos import xplane_pb2
-
-    size = trace.stat().st_size
-    if FLOOR_PER_TRACE_BYTE * size > max_bytes:
-        return FLOOR_PER_TRACE_BYTE * size
-    try:
-        space = xplane_pb2.XSpace.FromString(trace.read_bytes())
-    except Exception:  # a corrupt trace: xprof's own error says what is wrong with it
-        return 0
-    events = stats = 0
-    for plane in space.planes:
-        for line in plane.lines:
-            events += len(line.events)
-            stats += sum(len(event.stats) for event in line.events)
-    return BASE_BYTES + BYTES_PER_EVENT * events + BYTES_PER_STAT * stats
-
-
-def check_memory(path: Path, max_bytes: int) -> None:
-    """Raise TooLarge, saying what to do, if analysing the capture would need more than ``max_bytes``."""
-    for trace in find_traces(path):
-        needed = needed_memory(trace, max_bytes)
-        if needed > max_bytes:
-            raise TooLarge(f"{trace.name} ({trace.stat().st_size / 1e6:.0f} MB) needs about {needed / 2**20:.0f} MiB "
-                           f"to analyse, more than captures.analysis_max_memory ({max_bytes / 2**20:.0f} MiB) "
-                           f"allows: take shorter captures (captures.duration, or duration_ms), or raise "
-                           f"captures.analysis_max_memory with the memory limit; the trace is kept for `tfprofd "
-                           f"analyze` on a machine with more memory")
-
-
-def analyze(path: Path, verbose: bool = False) -> CaptureAnalysis:
-    """Analyse every worker of one capture; raises AnalysisError if none can be read."""
-    return combine([analyze_worker(trace, verbose) for trace in find_traces(path)])
+def analyze(path: Path, verbose: bool = False, max_memory: int | None = None) -> CaptureAnalysis:
+    """Analyse every worker of one capture; raises AnalysisError if none can be read, TooLarge (memory.py) if
+    one would need more than ``max_memory`` bytes."""
+    traces = find_traces(path)
+    if max_memory is not None:
+        refuse_unread(traces, max_memory)
+    return combine([analyze_worker(trace, verbose, max_memory) for trace in traces])
 
 
 def combine(workers: list[WorkerAnalysis]) -> CaptureAnalysis:

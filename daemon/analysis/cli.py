@@ -11,8 +11,9 @@ import os
 import sys
 from pathlib import Path
 
-from .capture import TooLarge, analyze, check_memory
+from .capture import analyze
 from .compare import compare, with_comparison
+from .memory import TooLarge
 from .report import report
 from .xprof import AnalysisError, quiet, write_viewer_cache
 
@@ -33,9 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="refuse a trace whose analysis would need more memory than this")
     args = parser.parse_args(argv)
     try:
-        if args.max_memory is not None:
-            check_memory(args.path, args.max_memory)
-        result = analyze(args.path, args.verbose)
+        result = analyze(args.path, args.verbose, args.max_memory)
         if args.baseline:
             result = with_comparison(result, compare(analyze(args.baseline, args.verbose), result))
         if args.viewer_cache:

@@ -80,15 +80,16 @@ def onset(windows: list[CaptureAnalysis], drop_at: float | None) -> CaptureAnaly
 def analyse(capture_dir: Path, drop_at: float | None, max_memory: int | None = None) -> CaptureAnalysis:
     """Analyse every snapshot of a capture taken on pending; raises AnalysisError if none can be read, TooLarge
     if a snapshot's analysis would need more than ``max_memory`` bytes."""
-    from .capture import analyze, check_memory
+    from .capture import analyze
+    from .memory import TooLarge
     from .xprof import AnalysisError
 
     windows, errors = [], []
     for run in run_dirs(capture_dir):
-        if max_memory is not None:
-            check_memory(run, max_memory)
         try:
-            windows.append(analyze(run))
+            windows.append(analyze(run, max_memory=max_memory))
+        except TooLarge:
+            raise
         except AnalysisError as exc:  # one idle or broken snapshot does not lose the others
             errors.append(f"{run.name}: {exc}")
     if not windows:
@@ -98,7 +99,7 @@ def analyse(capture_dir: Path, drop_at: float | None, max_memory: int | None = N
 
 def main(argv: list[str] | None = None) -> int:
     from ..workers import die_with_parent
-    from .capture import TooLarge
+    from .memory import TooLarge
     from .xprof import AnalysisError
 
     die_with_parent()

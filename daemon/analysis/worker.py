@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .classify import STRAGGLER, conclude, evidence, versus_xprof
+from .memory import needed_memory, refuse
 from .model import (
     DEVICE_PARTS,
     PART_TYPES,
@@ -109,15 +110,16 @@ def ops_per_step(op_stats: list[dict[str, Any]], pipeline: list[dict[str, Any]],
     return Ops(input=tuple(inputs), host=tuple(hosts), device=tuple(device))
 
 
-def analyze_worker(trace: Path, verbose: bool = False) -> WorkerAnalysis:
-    """The facts of one worker's trace, and what bound its steps."""
+def analyze_worker(trace: Path, verbose: bool = False, max_memory: int | None = None) -> WorkerAnalysis:
+    """The facts of one worker's trace, and what bound its steps; raises TooLarge (memory.py) if its analysis
+    would need more than ``max_memory`` bytes."""
     try:
         size = trace.stat().st_size
     except OSError as exc:
         raise AnalysisError(f"cannot read {trace}: {exc.strerror}") from None
     if size < 1024:
         raise AnalysisError(f"{trace.name} is {size} bytes: an empty trace (the process was idle)")
-    line, (overview, pipeline, op_stats, kernels, steps) = _read(trace, verbose)
+    line, (overview, pipeline, op_stats, kernels, steps) = _read(trace, verbose, max_memory)
     if steps is None:
         steps = steps_from_table(pipeline)
     per_marker = line.steps.per_marker  # xprof's steps are the markers: one execution of N steps each
@@ -163,17 +165,25 @@ def analyze_worker(trace: Path, verbose: bool = False) -> WorkerAnalysis:
 Tables = tuple[Any, Any, Any, Any, list[dict[str, float]] | None]  # xprof's four tools, and its OpStats' steps
 
 
-def _read(trace: Path, verbose: bool) -> tuple[Timeline, Tables]:
+def _read(trace: Path, verbose: bool, max_memory: int | None = None) -> tuple[Timeline, Tables]:
     """The trace's timeline, and xprof's tables from the copy the timeline asks for.
 
     The lines that decide the steps are read first: they say which copy xprof needs, and where it must be
     rewritten (step markers and tf.function calls), the copy is made from the parsed trace then. xprof converts
     it while a thread reads the other lines (xprof's conversion releases the GIL); where the whole timeline asks
     for another copy after all (steps, loops or tf.function calls found only on tf.data's threads, or events to
-    mark there), xprof converts that one again."""
+    mark there), xprof converts that one again. The trace is refused (TooLarge) once parsed, before xprof starts,
+    if its analysis would need more than ``max_memory`` bytes."""
     converter()  # imported first: an import holds the GIL, and would hold up xprof's start behind the timeline
     try:
-        space, ev, hints = _deciding_lines(trace)
+        space = load(trace)
+    except Exception as exc:  # an unreadable timeline must not hide what xprof could read (or say what is wrong)
+        return _failed(exc), _tables(trace, StepHints(), verbose)
+    if max_memory is not None:
+        refuse(trace, needed_memory(space), max_memory)
+    try:
+        ev = read_events(space, only=deciding)
+        hints = predicted_hints(space, ev)
     except Exception as exc:  # an unreadable timeline must not hide what xprof could read
         return _failed(exc), _tables(trace, StepHints(), verbose)
     with (private_session(trace, hints, parsed=True) as linked,
@@ -190,13 +200,6 @@ def _read(trace: Path, verbose: bool) -> tuple[Timeline, Tables]:
     if line.error is None and (line.hints != hints or (hints.needed and marks_elsewhere)):
         tables = _tables(trace, line.hints, verbose)
     return line, tables
-
-
-def _deciding_lines(trace: Path) -> tuple[XSpace, Events, StepHints]:
-    """The parsed trace, the events of its deciding lines, and the copy of it they say xprof needs."""
-    space = load(trace)
-    ev = read_events(space, only=deciding)
-    return space, ev, predicted_hints(space, ev)
 
 
 def _failed(exc: Exception) -> Timeline:
