@@ -201,6 +201,24 @@ def executors_loop(space: XSpace) -> bool:
     return False
 
 
+_ITERATOR_CALL, _FETCH, _OP, _INPUT_OP = 1, 2, 4, 8  # what a host event is, by its name (_host_kinds)
+
+
+def _host_kinds(names: dict[int, str]) -> dict[int, int]:
+    """What each event name of a host plane makes an event (flags): the input iterator's get-next call; on the
+    stepping thread, a wait for the next batch; on the executors' threads, a TF op (named "name:Type"; executor
+    bookkeeping is not); on tf.data's threads, an input op."""
+    kinds = {}
+    for i, name in names.items():
+        kind = _ITERATOR_CALL if name in ITERATOR_CALLS else 0
+        kind |= _FETCH if "IteratorGetNext" in name else 0
+        kind |= _OP if ":" in name else 0
+        kind |= _INPUT_OP if name and not name.startswith(("Iterator::", "Threadpool", "Executor")) else 0
+        if kind:
+            kinds[i] = kind
+    return kinds
+
+
 def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, into: Events | None = None) -> Events:
     """Gather the events that matter from the trace's planes: those of the lines ``only(plane, line)`` keeps,
     added to ``into`` (the same events as one pass over every line, whatever the order of the passes)."""
@@ -228,6 +246,7 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
             device = ev.devices.setdefault(plane.name, DeviceEvents(plane.name.removeprefix("/device:")))
         plane_ops: list[tuple[int, int, str]] = []
         kernels: list[tuple[int, int, str]] = []
+        kinds = _host_kinds(names) if host else {}
         for line_index, line in enumerate(plane.lines):
             base, line_name = line.timestamp_ns * 1000, line.name  # read once: each read makes a Python object
             if only is not None and not only(plane.name, line_name):
@@ -237,6 +256,8 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
             thread: list[Interval] | None = [] if compute_thread and gpus else None  # merged when the line is read
             line_ops: list[Interval] = []
             copy_line = "Memcpy" in line_name and "Compute" not in line_name
+            # what makes an event an op of this line (its name, found once a plane, not once an event)
+            taken = _OP if compute_thread else _INPUT_OP if data_thread else _FETCH
             for event in line.events:
                 start = base + event.offset_ps
                 end = start + event.duration_ps
@@ -244,13 +265,14 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
                     low = start
                 if end > high:
                     high = end
-                name = names.get(event.metadata_id, "")
+                metadata_id = event.metadata_id
                 if compute_thread:
                     span = (start, end)  # one tuple for the thread's span and, if it is one, the op's
                     if thread is not None:
                         thread.append(span)
                 if host:
-                    if name in ITERATOR_CALLS:
+                    kind = kinds.get(metadata_id, 0)
+                    if kind & _ITERATOR_CALL:
                         ev.iterator_calls.append((start, end))
                     # the trace's hot loop (a stat read is a Python object made): an event's stats are gathered
                     # only where one of them counts here; most events have none (83% of a Keras 3 trace's Python
@@ -266,6 +288,7 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
                     if stats is not None:
                         if mark_stats and not mark_stats.isdisjoint(stats):
                             ev.marked.append((plane_index, line_index, event))
+                        name = names.get(metadata_id, "")
                         if step_stats and not step_stats.isdisjoint(stats):
                             ev.host_steps.append((start, end))
                             count = stats.get(count_stat)
@@ -281,13 +304,16 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
                         if not ev.loops and (loop := stats.get(loop_stat)) is not None and (
                                 loop.int64_value or loop.uint64_value) > 0:
                             ev.loops = True
-                    if "IteratorGetNext" in name and not compute_thread and not data_thread:
-                        ev.fetches.append((start, end))
-                    elif compute_thread and ":" in name:
-                        line_ops.append(span)  # TF ops are named "name:Type"; executor bookkeeping is not
-                    elif data_thread and name and not name.startswith(("Iterator::", "Threadpool", "Executor")):
-                        ev.input_ops.add(name.split(":")[0])
-                elif line_name == "Steps":
+                    if kind & taken:
+                        if taken is _FETCH:
+                            ev.fetches.append((start, end))
+                        elif taken is _OP:
+                            line_ops.append(span)
+                        else:
+                            ev.input_ops.add(names[metadata_id].split(":")[0])
+                    continue
+                name = names.get(metadata_id, "")
+                if line_name == "Steps":
                     ev.device_steps.setdefault(plane.name, []).append((start, end))
                     if device is not None:
                         device.steps.append((start, end))
