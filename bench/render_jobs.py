@@ -35,7 +35,7 @@ from tfprofd.exporter.hook import Reporter
 from tfprofd.exporter.registry import signal_catalog
 from tfprofd.exporter.training import HookSettings, Sender, TrainingCollector, UdpTable, identify_udp_sender
 
-import common  # noqa: F401  (puts tests/ on the path)
+import common  # puts tests/ on the path
 from helpers import FakeClock
 
 QUICK = "--quick" in sys.argv
@@ -51,6 +51,7 @@ def main() -> None:
     reporters = [Reporter(job=f"job{i:04d}", worker="0", profiler=False, addr="127.0.0.1:9") for i in range(JOBS)]
     for r in reporters:
         r.phase, r.batch_size = "train", 64
+        common.seasoned(r)  # counts past a million, as a long job's
     sockets = []
     for _ in range(JOBS):
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

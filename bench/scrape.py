@@ -34,7 +34,7 @@ from http.client import HTTPConnection
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from common import cpu_seconds, percentile, rss_bytes, start_agent, start_node_exporter, stop
+from common import cpu_seconds, percentile, rss_bytes, seasoned, start_agent, start_node_exporter, stop
 from helpers import free_port, metric_value, start_prometheus
 
 QUICK = "--quick" in sys.argv
@@ -86,6 +86,7 @@ def report_forever(hook_port: int, jobs: int, stop_event: threading.Event, sprea
                  for i in range(jobs)]
     for r in reporters:
         r.batch_size, r.phase = 64, "train"
+        seasoned(r)
     next_round = time.monotonic()
     while not stop_event.is_set():
         for i, r in enumerate(reporters):

@@ -160,7 +160,7 @@ def _render_sectioned(families: Sectioned, fmt: str, cache: SectionCache, out: l
         entry = cache.get(key)
         if entry is None or entry[0] is not token:
             if families.lines is not None:
-                entry = (token, families.lines(token), _NONE_WRITTEN)
+                entry = (token, families.lines(token, None if entry is None else entry[1]), _NONE_WRITTEN)
             else:
                 written = {} if entry is None or len(entry[2]) > 1024 else entry[2]  # bounded if labels churn
                 lines = []

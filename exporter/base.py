@@ -126,14 +126,16 @@ class Sectioned:
     Iterating gives the families whole, as any reader expects. The exposition instead renders each
     section by itself and keeps its rendering while the section's token is the same object, so a sample
     costs what changed, not everything that exists: ``build(tokens)`` makes the families of those
-    sections only (``build([])``: every family, without series, in order). ``lines(token)``, where given,
-    writes a section's sample lines by hand, one string per family of ``build([])`` (the same in the text
-    format and OpenMetrics); it must be byte-identical to prometheus_client's rendering of
-    ``build([token])`` (tests/test_many_jobs.py holds it so).
+    sections only (``build([])``: every family, without series, in order). ``lines(token, before)``, where
+    given, writes a section's sample lines by hand, one string per family of ``build([])`` (the same in the
+    text format and OpenMetrics), given what it returned for the section's last token (``before``, None the
+    first time), whose unchanged lines it may reuse; it must be byte-identical to prometheus_client's
+    rendering of ``build([token])`` (tests/test_many_jobs.py holds it so).
     """
 
     def __init__(self, head: Sequence[Metric], build: Callable[[Sequence[Any]], Iterable[Metric]],
-                 sections: Sequence[tuple[Hashable, object]], lines: Callable[[Any], Sequence[str]] | None = None):
+                 sections: Sequence[tuple[Hashable, object]],
+                 lines: Callable[[Any, Any], Sequence[str]] | None = None):
         self.head = head
         self.build = build
         self.sections = sections  # (key, token), in the order the series are written
@@ -152,16 +154,23 @@ def label_value(value: str) -> str:
 
 
 def go_float(value: float) -> str:
-    """A sample value as prometheus_client writes it (``floatToGoString``), without its cost for the small
-    integers and plain floats most samples are: Go's exponent form only from 1e6 up, and +Inf, -Inf, NaN."""
+    """A sample value as prometheus_client writes it (``floatToGoString``), without its cost for the integers
+    and plain floats most samples are: Go's exponent form from 1e6 up (a long job's step and sample counts),
+    and +Inf, -Inf, NaN. tests/test_exposition.py holds it to floatToGoString on random values."""
     kind = type(value)
     if kind is int:
         if -10**15 < value < 10**6:  # type: ignore[operator]
             return f"{value}.0"
+        if 0 < value < 10**15:  # type: ignore[operator]  # exact as a float: written as floatToGoString writes it
+            digits = str(value)
+            return f"{f'{digits[0]}.{digits[1:]}'.rstrip('0.')}e+{len(digits) - 1:02d}"
     elif kind is float:
         text = repr(value)
-        if value - value == 0 and (value <= 0 or text.find(".") <= 6):  # finite, and not Go's exponent form
-            return text
+        if value - value == 0:  # finite
+            dot = text.find(".")
+            if value <= 0 or dot <= 6:
+                return text
+            return f"{f'{text[0]}.{text[1:dot]}{text[dot + 1:]}'.rstrip('0.')}e+{dot - 1:02d}"
     return floatToGoString(value)
 
 

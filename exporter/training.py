@@ -1227,33 +1227,79 @@ _BUCKET_LE = tuple(f'{_P}step_duration_seconds_bucket{{le="{le!r}",' for le in S
 _INF_LE = f'{_P}step_duration_seconds_bucket{{le="+Inf",'
 
 
-def _job_lines(row: _Row) -> list[str]:
+class _JobLines(list):
+    """A job's sample lines, one string per family of ``_job_families``, with what the next rendering of the
+    job reuses: the row they were written from, its label text and the histogram's bucket lines one by one."""
+
+    __slots__ = ("buckets", "labels", "row")
+
+    def __init__(self, lines: list[str], row: _Row, labels: str, buckets: list[str]):
+        super().__init__(lines)
+        self.row, self.labels, self.buckets = row, labels, buckets
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    """Whether two optional values are written alike: equal, and not two zeros that may differ in sign."""
+    return a is b or (a == b and a != 0)
+
+
+_NAN = float("nan")
+# what a job's first rendering compares with: NaN equals no value (and `up` is never None), so every line is written
+_UNWRITTEN = _JobLines([""] * 12, _Row(("", ""), Counts(_NAN, _NAN, _NAN, _NAN, _NAN, (_NAN,) * len(STEP_BUCKETS)),
+                                       _NAN, None, _NAN, _NAN, _NAN, _NAN, _NAN, (_NAN,)),  # type: ignore[arg-type]
+                       "", [""] * len(STEP_BUCKETS))
+
+
+def _job_lines(row: _Row, before: _JobLines | None = None) -> _JobLines:
     """One job's sample lines, family by family as ``_job_families`` makes them, written by hand: building
     the job's prometheus_client families and rendering them cost ~70 µs a job, what kept the agent above
     5% of a core with 1,000 jobs reporting every second (issue 24; ``bench/render_jobs.py`` measures both).
-    tests/test_many_jobs.py holds it byte-identical to prometheus_client's rendering, hostile labels included."""
-    labels = f'training_job="{label_value(row.key[0])}",worker="{label_value(row.key[1])}"}} '
-    totals = row.totals
-    phase = "" if row.phase is None else "".join(
+    Given the job's last lines (``before``), a line whose value is the same is reused, not written again: a
+    job that reported changes its counts, rate and the buckets its steps fell in, not its labels, phase,
+    epoch, batch size or its other buckets. tests/test_many_jobs.py holds it byte-identical to
+    prometheus_client's rendering, hostile labels included."""
+    if before is None or before.row.key != row.key:
+        before = _UNWRITTEN
+        labels = f'training_job="{label_value(row.key[0])}",worker="{label_value(row.key[1])}"}} '
+    else:
+        labels = before.labels
+    old, totals = before.row, row.totals
+    was = old.totals
+    phase = before[8] if row.phase == old.phase else "" if row.phase is None else "".join(
         f'{_P}phase{{phase="{p}",{labels}{"1.0" if p == row.phase else "0.0"}\n' for p in PHASES)
-    count = go_float(totals.step_count)
-    return [
-        f"{_P}up{{{labels}{'1.0' if row.up else '0.0'}\n",
-        f"{_P}processes{{{labels}{go_float(row.processes)}\n",
-        f"{_P}steps_total{{{labels}{go_float(totals.steps)}\n",
-        f"{_P}samples_total{{{labels}{go_float(totals.samples)}\n",
+    buckets = []
+    value = text = None  # cumulative buckets past the usual step time all hold the same count
+    for le, count, count_before, line in zip(_BUCKET_LE, totals.buckets, was.buckets, before.buckets,
+                                                 strict=True):
+        if count == count_before:
+            buckets.append(line)
+        else:
+            if count != value:
+                value, text = count, go_float(count)
+            buckets.append(f"{le}{labels}{text}\n")
+    count = text if totals.step_count == value else go_float(totals.step_count)
+    lines = [
+        before[0] if row.up is old.up else f"{_P}up{{{labels}{'1.0' if row.up else '0.0'}\n",
+        before[1] if row.processes == old.processes else f"{_P}processes{{{labels}{go_float(row.processes)}\n",
+        before[2] if totals.steps == was.steps else f"{_P}steps_total{{{labels}{go_float(totals.steps)}\n",
+        before[3] if totals.samples == was.samples else f"{_P}samples_total{{{labels}{go_float(totals.samples)}\n",
+        before[4] if totals.skipped == was.skipped else
         f"{_P}skipped_steps_total{{{labels}{go_float(totals.skipped)}\n",
+        before[5] if _same(row.rate, old.rate) else
         "" if row.rate is None else f"{_P}samples_per_second{{{labels}{go_float(row.rate)}\n",
+        before[6] if _same(row.batch_size, old.batch_size) else
         "" if row.batch_size is None else f"{_P}batch_size{{{labels}{go_float(row.batch_size)}\n",
+        before[7] if row.epoch == old.epoch else
         "" if row.epoch is None else f"{_P}epoch{{{labels}{go_float(row.epoch)}\n",
         phase,
-        "" if row.first_step_seconds is None else
-        f"{_P}first_step_seconds{{{labels}{go_float(row.first_step_seconds)}\n",
+        before[9] if _same(row.first_step_seconds, old.first_step_seconds) else "" if row.first_step_seconds is None
+        else f"{_P}first_step_seconds{{{labels}{go_float(row.first_step_seconds)}\n",
+        before[10] if row.profilers == old.profilers else
         "".join(f'{_P}info{{profiler_address="{label_value(a)}",{labels}1.0\n' for a in row.profilers),
-        "".join(f"{le}{labels}{go_float(c)}\n" for le, c in zip(_BUCKET_LE, totals.buckets, strict=True))
-        + f"{_INF_LE}{labels}{count}\n{_P}step_duration_seconds_count{{{labels}{count}\n"
+        "".join(buckets) + f"{_INF_LE}{labels}{count}\n{_P}step_duration_seconds_count{{{labels}{count}\n"
         f"{_P}step_duration_seconds_sum{{{labels}{go_float(totals.step_sum)}\n",
     ]
+    return _JobLines(lines, row, labels, buckets)
 
 
 def _ports(batch: list[tuple[bytes, Sender]]) -> set[int]:

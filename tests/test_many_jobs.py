@@ -45,7 +45,8 @@ def test_sample_values_are_written_as_prometheus_client_writes_them():
     rng = random.Random(24)
     values = NUMBERS + [rng.randint(-(2**60), 2**60) for _ in range(2000)] + \
         [rng.uniform(-1e7, 1e7) for _ in range(2000)] + [10 ** rng.uniform(-12, 25) for _ in range(2000)] + \
-        [float(rng.randint(0, 10**8)) for _ in range(2000)]
+        [float(rng.randint(0, 10**8)) for _ in range(2000)] + [rng.randint(10**6, 10**15) for _ in range(2000)] + \
+        [10**k + d for k in range(5, 17) for d in (-1, 0, 1)] + [rng.uniform(1e6, 1e15) for _ in range(2000)]
     for value in values:
         assert go_float(value) == floatToGoString(value), value
 
@@ -94,6 +95,35 @@ def test_hand_written_training_lines_are_byte_identical_to_prometheus_client(hos
             assert render(plain, fmt, None, labels) == render_library(plain, fmt), fmt
         keep = [r for r in rows if rng.random() < 0.7]  # the rest expire; some of the kept change, new ones come
         rows = [_row(rng, hostile) if rng.random() < 0.3 else r for r in keep] + [_row(rng, hostile) for _ in range(60)]
+
+
+def _changed(rng: random.Random, row: _Row) -> _Row:
+    """The same job a sample later: a few of its values changed (to zeros of either sign, NaN, None and
+    counts past a million among others), most kept."""
+    fresh = _row(rng, hostile=False)
+    totals = row.totals._replace(**{f: getattr(fresh.totals, f) for f in row.totals._fields if rng.random() < 0.3})
+    if rng.random() < 0.5:  # some buckets move, the others stay
+        buckets = [b if rng.random() < 0.6 else b + rng.choice([1, 10**6, 10**12]) for b in totals.buckets]
+        totals = totals._replace(buckets=tuple(sorted(buckets)))
+    fields = {f: getattr(fresh, f) for f in row._fields[2:] if rng.random() < 0.3}
+    for f in ("rate", "first_step_seconds"):
+        if rng.random() < 0.15:
+            fields[f] = rng.choice([0.0, -0.0, float("nan"), None, 0])
+    return row._replace(totals=totals, **fields)
+
+
+@pytest.mark.parametrize("hostile", [False, True])
+def test_a_job_rendered_again_is_byte_identical_to_prometheus_client_where_lines_are_reused(hostile):
+    """A job that reports again is rendered from its last lines, reusing those whose values are written
+    alike: every changed value, zero's sign, NaN and None must still show, in both formats."""
+    rng = random.Random(2400 + hostile)
+    rows = [_row(rng, hostile) for _ in range(200)]
+    caches: dict = {TEXT: {}, OPENMETRICS: {}}
+    for _ in range(25):
+        families = _sectioned(rows)
+        for fmt in (TEXT, OPENMETRICS):
+            assert render(families, fmt, caches[fmt]) == render_library(list(families), fmt), fmt
+        rows = [_changed(rng, r) for r in rows]
 
 
 def test_a_scrape_rendering_while_a_sample_renders_gets_its_own_snapshot_whole():
