@@ -38,6 +38,9 @@ DEFAULT_RULES = Path(__file__).with_name("default_rules.yaml")
 # Sample timestamps jitter by a few ms; without slack a condition held for exactly `for` would wait one
 # more sampling interval.
 FOR_SLACK_SECONDS = 0.05
+# A window kept sorted that this many samples entered or left since is sorted afresh: sorting 600 values
+# costs about as much as taking 40 out and putting 40 in one by one.
+RESORT_AFTER = 64
 
 
 @dataclass(frozen=True)
@@ -276,7 +279,8 @@ class History:
         if self._sorted is None:
             self._sorted = {}
         kept = self._sorted.get(key)
-        if kept is None or not self._dropped <= kept[0] <= a <= kept[1] <= b:
+        if (kept is None or not self._dropped <= kept[0] <= a <= kept[1] <= b
+                or a - kept[0] + b - kept[1] > RESORT_AFTER):
             ordered = array("d", sorted(self._values[first:last]))
         else:
             ordered = kept[2]
@@ -285,8 +289,39 @@ class History:
             for value in self._values[kept[1] - self._dropped:last]:
                 insort(ordered, value)
         self._sorted[key] = (a, b, ordered)
-        middle = len(ordered) // 2  # as statistics.median takes it (see ``mean``)
-        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        return _middle(ordered, len(ordered), 0)
+
+    def median_bounds(self, start: float, end: float, key: Hashable, least: int = 1) -> tuple[float, float] | None:
+        """``(low, high)`` with low <= ``median_between(start, end, key, least)`` <= high (None where that is
+        None), from the window named ``key`` as it was last kept sorted, without bringing it up to date: a
+        sample that entered the window since moves the median down by a rank at most, one that left it up by
+        a rank at most, so the bounds are the kept values that many ranks either side of the middle (both
+        the median while nothing changed; -inf or inf past the kept values). ``Engine`` rules need the median
+        itself only where the bounds cannot decide a comparison: most samples of a steady job."""
+        first = bisect_left(self._times, start, self._start)
+        last = bisect_left(self._times, end, first)
+        count = last - first
+        if count < max(least, 1):
+            return None
+        kept = self._sorted.get(key) if self._sorted is not None else None
+        if kept is None:
+            return -math.inf, math.inf
+        k0, k1, ordered = kept
+        a = first + self._dropped
+        overlap = max(0, min(last + self._dropped, k1) - max(a, k0))
+        entered, left = count - overlap, k1 - k0 - overlap
+        lowest = count // 2 - (1 - count % 2)  # the lower of the middle ranks
+        low = _middle(ordered, count, -entered) if lowest >= entered else -math.inf
+        high = _middle(ordered, count, left) if count // 2 + left < len(ordered) else math.inf
+        return low, high
+
+
+def _middle(ordered: array, count: int, shift: int) -> float:
+    """The median of ``count`` sorted values, taken from ``ordered`` with every rank moved by ``shift``:
+    as statistics.median takes it (see ``mean``), so that a bound computed alike is a bound on the median
+    (sums round monotonically, overflow to inf included)."""
+    middle = count // 2 + shift
+    return ordered[middle] if count % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def holds(condition: Condition, history: History, now: float) -> tuple[bool, float | None]:
@@ -299,13 +334,21 @@ def holds(condition: Condition, history: History, now: float) -> tuple[bool, flo
         return value < condition.below, value
     if condition.above is not None:
         return value > condition.above, value
-    start = now - condition.window
-    middle = history.median_between(start - condition.baseline, start, (condition.window, condition.baseline), 3)
-    if middle is None:  # no baseline yet (fewer than 3 samples): never fire on a job's first minutes
+    start, key = now - condition.window, (condition.window, condition.baseline)
+    bounds = history.median_bounds(start - condition.baseline, start, key, 3)
+    if bounds is None:  # no baseline yet (fewer than 3 samples): never fire on a job's first minutes
         return False, value
-    if condition.below_baseline is not None:
-        return value < condition.below_baseline * middle, value
-    return value > (condition.above_baseline or 0.0) * middle, value
+    below = condition.below_baseline is not None
+    ratio = condition.below_baseline if below else condition.above_baseline or 0.0
+    if ratio > 0:  # ratio x median grows with the median (0 x inf would be NaN): the bounds may decide
+        low, high = ratio * bounds[0], ratio * bounds[1]
+        if (value >= high) if below else (value <= low):
+            return False, value
+        if (value < low) if below else (value > high):
+            return True, value
+    middle = history.median_between(start - condition.baseline, start, key, 3)
+    assert middle is not None  # the same window as the bounds'
+    return (value < ratio * middle) if below else (value > ratio * middle), value
 
 
 PENDING, FIRING, RESOLVED = "pending", "firing", "resolved"
@@ -414,7 +457,7 @@ class Engine:
         wanted = self.catalog[condition.signal][1]
         histories = self._history.get(condition.signal, {})
         shared = {k: v for k, v in labels.items() if k in wanted}
-        if not shared:  # every series (a rule's primary condition)
+        if not shared:  # every series (a host signal joined to a GPU's or job's)
             return list(histories.items())
         if len(shared) == len(wanted):  # the one series with these labels: a lookup, not a scan
             key = tuple(sorted(shared.items()))
@@ -429,8 +472,8 @@ class Engine:
                 continue
             primary, extras = rule.conditions[0], rule.conditions[1:]
             states = self._states.setdefault(rule.name, {})
-            series = self._series(primary, {})
-            for labels_key, history in series:
+            series = self._history.get(primary.signal, {})  # every series (not a list of them: 1,000 jobs')
+            for labels_key, history in series.items():
                 ok, value = holds(primary, history, now)
                 state = states.get(labels_key)
                 if state is None:
@@ -460,8 +503,7 @@ class Engine:
                     self._firings[rule.name] = self._firings.get(rule.name, 0) + 1
                     out.append(Transition(FIRING, rule, labels, value))
             if len(states) > len(series):  # a series is gone (each series has its state by now)
-                live = {key for key, _ in series}
-                for key in [k for k in states if k not in live]:
+                for key in [k for k in states if k not in series]:
                     state = states.pop(key)
                     self._version += 1
                     if state.active:
