@@ -293,7 +293,8 @@ class History:
             for value in self._values[kept[1] - self._dropped:last]:
                 insort(ordered, value)
         self._sorted[key] = (a, b, ordered)
-        return _middle(ordered, len(ordered), 0)
+        middle = len(ordered) // 2  # as statistics.median takes it (see ``mean``)
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
     def median_bounds(self, start: float, end: float, key: Hashable, least: int = 1) -> tuple[float, float] | None:
         """``(low, high)`` with low <= ``median_between(start, end, key, least)`` <= high (None where that is
@@ -305,7 +306,7 @@ class History:
         first = bisect_left(self._times, start, self._start)
         last = bisect_left(self._times, end, first)
         count = last - first
-        if count < max(least, 1):
+        if count < least or not count:
             return None
         kept = self._sorted.get(key) if self._sorted is not None else None
         if kept is None:
@@ -316,18 +317,14 @@ class History:
         if overlap < 0:                                          # cost a tenth of this method)
             overlap = 0
         entered, left = count - overlap, k1 - k0 - overlap
-        lowest = count // 2 - (1 - count % 2)  # the lower of the middle ranks
-        low = _middle(ordered, count, -entered) if lowest >= entered else -math.inf
-        high = _middle(ordered, count, left) if count // 2 + left < len(ordered) else math.inf
-        return low, high
-
-
-def _middle(ordered: array, count: int, shift: int) -> float:
-    """The median of ``count`` sorted values, taken from ``ordered`` with every rank moved by ``shift``:
-    as statistics.median takes it (see ``mean``), so that a bound computed alike is a bound on the median
-    (sums round monotonically, overflow to inf included)."""
-    middle = count // 2 + shift
-    return ordered[middle] if count % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        # the median's ranks moved down by ``entered`` and up by ``left``, taken as median_between takes it
+        # (sums round monotonically, overflow to inf included: a bound computed alike is a bound)
+        middle, above = count // 2, count // 2 + left < len(ordered)
+        if count % 2:
+            return (ordered[middle - entered] if middle >= entered else -math.inf,
+                    ordered[middle + left] if above else math.inf)
+        return ((ordered[middle - 1 - entered] + ordered[middle - entered]) / 2 if middle > entered else -math.inf,
+                (ordered[middle - 1 + left] + ordered[middle + left]) / 2 if above else math.inf)
 
 
 def holds(condition: Condition, history: History, now: float) -> tuple[bool, float | None]:
