@@ -391,6 +391,10 @@ class Engine:
     # rule_active family (a series per rule and job: 3,000 with 1,000 jobs) again only then
     _version: int = 0
     _collected: tuple[int, list[Metric]] | None = None
+    # signal -> id(labels dict) -> (that dict, its series key), for the dicts of the last sample: a collector
+    # that hands the same dict again (a job's, every second) has it sorted into a key once (see Signals); the
+    # dict is kept with its key, so no other object can have its id meanwhile
+    _keys: dict[str, dict[int, tuple[dict[str, str], Labels]]] = field(default_factory=dict)
 
     def set_rules(self, rules: list[Rule]) -> list[Transition]:
         """Replace the rules; firing series of rules that are gone or changed resolve."""
@@ -439,10 +443,13 @@ class Engine:
             for signal, series in signals.items():
                 histories = self._history.setdefault(signal, {})
                 keys = seen[signal] = set()
+                known, current = self._keys.get(signal, {}), {}
+                self._keys[signal] = current
                 for labels, value in series:
                     if not math.isfinite(value):
                         continue
-                    key = tuple(sorted(labels.items()))
+                    entry = current[id(labels)] = known.get(id(labels)) or (labels, tuple(sorted(labels.items())))
+                    key = entry[1]
                     keys.add(key)
                     history = histories.get(key)
                     if history is None:
@@ -451,6 +458,8 @@ class Engine:
                     history.drop_before(oldest)
             for signal, histories in self._history.items():
                 keys = seen.get(signal, set())
+                if self.catalog[signal][0] == source and signal not in signals:
+                    self._keys.pop(signal, None)
                 if self.catalog[signal][0] == source and len(keys) < len(histories):  # keys: some of its series
                     for key in histories.keys() - keys:
                         del histories[key]  # the GPU, job or interface is gone

@@ -289,3 +289,17 @@ def test_a_baseline_comparison_decided_by_the_medians_bounds_is_the_comparison_w
             checked += 1
     assert checked > 60000
     assert 0 < len(exact) < checked / 2  # most comparisons are decided by the bounds alone (not with ratio 0)
+
+
+def test_a_series_key_kept_for_a_labels_dict_handed_again_never_goes_to_another_dict():
+    """The engine keeps the key of a labels dict that a collector hands again (a job's, every second): a dict
+    handed once and dropped must not lend its key to a new dict that the allocator puts at its address."""
+    engine = Engine([Rule("low", "", (Condition("gpu_utilization", below=0.5),), for_seconds=0)], signal_catalog())
+    kept = {"gpu": "k"}
+    for t in range(200):
+        # a dict dropped after the sample: the next sample's is likely made where it was
+        engine.observe("nvml", float(t), {"gpu_utilization": [(kept, 0.9), ({"gpu": str(t % 3)}, 0.1 * (t % 3))]},
+                       lambda _: True)
+        assert {k: [v for _, v in engine.history("gpu_utilization", {"gpu": k})][-1]
+                for k in ("k", str(t % 3))} == {"k": 0.9, str(t % 3): 0.1 * (t % 3)}
+        assert sorted(dict(key)["gpu"] for key in engine._history["gpu_utilization"]) == sorted({"k", str(t % 3)})
