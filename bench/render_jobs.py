@@ -12,7 +12,9 @@ each figure beside the way it was done before, alternating in one process:
   family's lines kept while it is the same object;
 - a rule's 10-minute baseline median (throughput_drop, step_time_outlier: a series per job each) after 10
   minutes of samples: the window sorted afresh every sample (as before) against kept sorted as it slides;
-- receiving (validating) a report and freezing the jobs at a sample, for scale.
+- receiving (validating) a report and freezing the jobs at a sample, for scale; evaluating the default
+  rules on the jobs' signals, in an engine that just met them and in one that has kept 11 minutes of them
+  (the baselines of throughput_drop and step_time_outlier full, as in a running agent).
 
 ``--quick``: 20 jobs, 2 rounds, no targets (CI).
 """
@@ -42,6 +44,7 @@ QUICK = "--quick" in sys.argv
 JOBS = 20 if QUICK else 1000
 ROUNDS = 2 if QUICK else 9
 BATCH = 256
+STEADY_SAMPLES = 30 if QUICK else 660  # samples a second kept before the steady engine's rounds: past a baseline
 TEXT_TABLE = "bench: /proc/net/udp, as before netlink"  # set as why netlink failed: the agent reads the text
 
 
@@ -61,6 +64,13 @@ def main() -> None:
     sender = Sender(local=False, address="127.0.0.1")
     caches: dict[str, dict] = {"library": {}, "hand": {}}
     engine = Engine(load_rules_file(DEFAULT_RULES, []), signal_catalog())
+    steady = Engine(load_rules_file(DEFAULT_RULES, []), signal_catalog())
+    steady_at, warm = float(STEADY_SAMPLES), random.Random(660)
+    for t in range(STEADY_SAMPLES):
+        labels = [{"training_job": r.job, "worker": r.worker} for r in reporters]
+        steady.observe("training", float(t), {"samples_per_second": [(x, warm.uniform(1500, 1700)) for x in labels],
+                                             "step_seconds": [(x, warm.uniform(0.018, 0.022)) for x in labels]},
+                       lambda _: True)
     rule_caches: dict[str, tuple[dict, dict | None]] = {"relabelled": ({}, None), "kept": ({}, {})}
     rng = random.Random(24)
     baselines = [History((t, rng.uniform(1500, 1700)) for t in range(600)) for _ in range(JOBS)]
@@ -68,7 +78,7 @@ def main() -> None:
     gc.freeze()  # as the agent does after its start
     figures: dict[str, list[float]] = {k: [] for k in ("receive", "sample", "library", "hand", "per_report",
                                                         "per_batch", "per_batch_text", "rules", "relabelled", "kept",
-                                                        "afresh", "slid")}
+                                                        "afresh", "slid", "steady")}
     try:
         for round_ in range(ROUNDS + 1):
             payloads = []
@@ -87,6 +97,9 @@ def main() -> None:
             sampled = time.perf_counter()
             engine.observe("training", clock.mono, collector.rule_signals(), lambda _: True)
             observed = time.perf_counter()
+            if round_:  # the first round's jobs have no rates yet: they would leave the steady engine
+                steady.observe("training", steady_at + round_, collector.rule_signals(), lambda _: True)
+            observed_steady = time.perf_counter()
             rules = engine.collect()
             expected = {fmt: render_library(rules, fmt) for fmt in (TEXT, OPENMETRICS)}
             rule_timings = {}
@@ -136,6 +149,7 @@ def main() -> None:
             figures["receive"].append((received - started) / JOBS)
             figures["sample"].append((sampled - received) / JOBS)
             figures["rules"].append((observed - sampled) / JOBS)
+            figures["steady"].append((observed_steady - observed) / JOBS)
             figures["afresh"].append(medians["afresh seconds"][0] / JOBS)
             figures["slid"].append(medians["slid seconds"][0] / JOBS)
             figures["relabelled"].append(rule_timings["relabelled"] / JOBS)
@@ -164,7 +178,8 @@ def main() -> None:
     print(f"  a job's 10-minute baseline median, each sample: sorted afresh {us['afresh']:.1f} µs, kept sorted as "
           f"it slides {us['slid']:.1f} µs: {us['afresh'] / us['slid']:.1f}x (the same medians; a job has two)")
     print(f"  validate and apply a report {us['receive']:.1f} µs; freeze a job at a sample {us['sample']:.1f} µs; "
-          f"evaluate the default rules on a job's signals {us['rules']:.1f} µs")
+          f"evaluate the default rules on a job's signals {us['rules']:.1f} µs (with {STEADY_SAMPLES} s of "
+          f"history: {us['steady']:.1f} µs)")
     shared = us["receive"] + us["sample"] + us["rules"]
     per_second = (us["hand"] + us["per_batch"] + us["kept"] + shared) * JOBS / 1e6
     was = (us["library"] + us["per_report"] + us["relabelled"] + shared) * JOBS / 1e6

@@ -38,6 +38,9 @@ DEFAULT_RULES = Path(__file__).with_name("default_rules.yaml")
 # Sample timestamps jitter by a few ms; without slack a condition held for exactly `for` would wait one
 # more sampling interval.
 FOR_SLACK_SECONDS = 0.05
+# A window kept sorted that this many samples entered or left since is sorted afresh: sorting 600 values
+# costs about as much as taking 40 out and putting 40 in one by one.
+RESORT_AFTER = 64
 
 
 @dataclass(frozen=True)
@@ -234,9 +237,13 @@ class History:
         self._values.append(value)
 
     def drop_before(self, t: float) -> None:
-        if self._start == len(self._times) or self._times[self._start] >= t:
+        times, start = self._times, self._start
+        if start == len(times) or times[start] >= t:
             return  # nothing to drop (a series younger than what the rules keep: no bisection each sample)
-        start = bisect_left(self._times, t, self._start)
+        if start + 1 < len(times) and times[start + 1] >= t:
+            start += 1  # one sample (a series sampled as often as its window slides: no bisection either)
+        else:
+            start = bisect_left(times, t, start)
         if start > 64 and 2 * start > len(self._times):
             del self._times[:start]
             del self._values[:start]
@@ -276,7 +283,8 @@ class History:
         if self._sorted is None:
             self._sorted = {}
         kept = self._sorted.get(key)
-        if kept is None or not self._dropped <= kept[0] <= a <= kept[1] <= b:
+        if (kept is None or not self._dropped <= kept[0] <= a <= kept[1] <= b
+                or a - kept[0] + b - kept[1] > RESORT_AFTER):
             ordered = array("d", sorted(self._values[first:last]))
         else:
             ordered = kept[2]
@@ -287,6 +295,36 @@ class History:
         self._sorted[key] = (a, b, ordered)
         middle = len(ordered) // 2  # as statistics.median takes it (see ``mean``)
         return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+    def median_bounds(self, start: float, end: float, key: Hashable, least: int = 1) -> tuple[float, float] | None:
+        """``(low, high)`` with low <= ``median_between(start, end, key, least)`` <= high (None where that is
+        None), from the window named ``key`` as it was last kept sorted, without bringing it up to date: a
+        sample that entered the window since moves the median down by a rank at most, one that left it up by
+        a rank at most, so the bounds are the kept values that many ranks either side of the middle (both
+        the median while nothing changed; -inf or inf past the kept values). ``Engine`` rules need the median
+        itself only where the bounds cannot decide a comparison: most samples of a steady job."""
+        first = bisect_left(self._times, start, self._start)
+        last = bisect_left(self._times, end, first)
+        count = last - first
+        if count < least or not count:
+            return None
+        kept = self._sorted.get(key) if self._sorted is not None else None
+        if kept is None:
+            return -math.inf, math.inf
+        k0, k1, ordered = kept
+        a, b = first + self._dropped, last + self._dropped
+        overlap = (b if b < k1 else k1) - (a if a > k0 else k0)  # samples in both windows (min and max calls
+        if overlap < 0:                                          # cost a tenth of this method)
+            overlap = 0
+        entered, left = count - overlap, k1 - k0 - overlap
+        # the median's ranks moved down by ``entered`` and up by ``left``, taken as median_between takes it
+        # (sums round monotonically, overflow to inf included: a bound computed alike is a bound)
+        middle, above = count // 2, count // 2 + left < len(ordered)
+        if count % 2:
+            return (ordered[middle - entered] if middle >= entered else -math.inf,
+                    ordered[middle + left] if above else math.inf)
+        return ((ordered[middle - 1 - entered] + ordered[middle - entered]) / 2 if middle > entered else -math.inf,
+                (ordered[middle - 1 + left] + ordered[middle + left]) / 2 if above else math.inf)
 
 
 def holds(condition: Condition, history: History, now: float) -> tuple[bool, float | None]:
@@ -299,13 +337,21 @@ def holds(condition: Condition, history: History, now: float) -> tuple[bool, flo
         return value < condition.below, value
     if condition.above is not None:
         return value > condition.above, value
-    start = now - condition.window
-    middle = history.median_between(start - condition.baseline, start, (condition.window, condition.baseline), 3)
-    if middle is None:  # no baseline yet (fewer than 3 samples): never fire on a job's first minutes
+    start, key = now - condition.window, (condition.window, condition.baseline)
+    bounds = history.median_bounds(start - condition.baseline, start, key, 3)
+    if bounds is None:  # no baseline yet (fewer than 3 samples): never fire on a job's first minutes
         return False, value
-    if condition.below_baseline is not None:
-        return value < condition.below_baseline * middle, value
-    return value > (condition.above_baseline or 0.0) * middle, value
+    below = condition.below_baseline is not None
+    ratio = condition.below_baseline if below else condition.above_baseline or 0.0
+    if ratio > 0:  # ratio x median grows with the median (0 x inf would be NaN): the bounds may decide
+        low, high = ratio * bounds[0], ratio * bounds[1]
+        if (value >= high) if below else (value <= low):
+            return False, value
+        if (value < low) if below else (value > high):
+            return True, value
+    middle = history.median_between(start - condition.baseline, start, key, 3)
+    assert middle is not None  # the same window as the bounds'
+    return (value < ratio * middle) if below else (value > ratio * middle), value
 
 
 PENDING, FIRING, RESOLVED = "pending", "firing", "resolved"
@@ -345,6 +391,10 @@ class Engine:
     # rule_active family (a series per rule and job: 3,000 with 1,000 jobs) again only then
     _version: int = 0
     _collected: tuple[int, list[Metric]] | None = None
+    # signal -> id(labels dict) -> (that dict, its series key), for the dicts of the last sample: a collector
+    # that hands the same dict again (a job's, every second) has it sorted into a key once (see Signals); the
+    # dict is kept with its key, so no other object can have its id meanwhile
+    _keys: dict[str, dict[int, tuple[dict[str, str], Labels]]] = field(default_factory=dict)
 
     def set_rules(self, rules: list[Rule]) -> list[Transition]:
         """Replace the rules; firing series of rules that are gone or changed resolve."""
@@ -393,10 +443,13 @@ class Engine:
             for signal, series in signals.items():
                 histories = self._history.setdefault(signal, {})
                 keys = seen[signal] = set()
+                known, current = self._keys.get(signal, {}), {}
+                self._keys[signal] = current
                 for labels, value in series:
                     if not math.isfinite(value):
                         continue
-                    key = tuple(sorted(labels.items()))
+                    entry = current[id(labels)] = known.get(id(labels)) or (labels, tuple(sorted(labels.items())))
+                    key = entry[1]
                     keys.add(key)
                     history = histories.get(key)
                     if history is None:
@@ -404,8 +457,11 @@ class Engine:
                     history.append(now, value)
                     history.drop_before(oldest)
             for signal, histories in self._history.items():
-                if self.catalog[signal][0] == source:
-                    for key in histories.keys() - seen.get(signal, set()):
+                keys = seen.get(signal, set())
+                if self.catalog[signal][0] == source and signal not in signals:
+                    self._keys.pop(signal, None)
+                if self.catalog[signal][0] == source and len(keys) < len(histories):  # keys: some of its series
+                    for key in histories.keys() - keys:
                         del histories[key]  # the GPU, job or interface is gone
             return self._evaluate(source, now, training)
 
@@ -414,7 +470,7 @@ class Engine:
         wanted = self.catalog[condition.signal][1]
         histories = self._history.get(condition.signal, {})
         shared = {k: v for k, v in labels.items() if k in wanted}
-        if not shared:  # every series (a rule's primary condition)
+        if not shared:  # every series (a host signal joined to a GPU's or job's)
             return list(histories.items())
         if len(shared) == len(wanted):  # the one series with these labels: a lookup, not a scan
             key = tuple(sorted(shared.items()))
@@ -429,8 +485,8 @@ class Engine:
                 continue
             primary, extras = rule.conditions[0], rule.conditions[1:]
             states = self._states.setdefault(rule.name, {})
-            series = self._series(primary, {})
-            for labels_key, history in series:
+            series = self._history.get(primary.signal, {})  # every series (not a list of them: 1,000 jobs')
+            for labels_key, history in series.items():
                 ok, value = holds(primary, history, now)
                 state = states.get(labels_key)
                 if state is None:
@@ -460,8 +516,7 @@ class Engine:
                     self._firings[rule.name] = self._firings.get(rule.name, 0) + 1
                     out.append(Transition(FIRING, rule, labels, value))
             if len(states) > len(series):  # a series is gone (each series has its state by now)
-                live = {key for key, _ in series}
-                for key in [k for k in states if k not in live]:
+                for key in [k for k in states if k not in series]:
                     state = states.pop(key)
                     self._version += 1
                     if state.active:

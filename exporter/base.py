@@ -21,7 +21,8 @@ from prometheus_client.utils import floatToGoString
 
 PREFIX = "tfprofd_"
 
-# signal name -> series: (labels, value)
+# signal name -> series: (labels, value). A labels dict is never changed once handed out: a collector may hand
+# the same one again for the same series (the rules engine then keeps its key instead of sorting it again).
 Signals = Mapping[str, Sequence[tuple[dict[str, str], float]]]
 
 

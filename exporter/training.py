@@ -1142,8 +1142,10 @@ class TrainingCollector(Collector):
                                      p.pid_verified))
         if up:
             until = min(until, state.last_seen + self.settings.down_after)
+        # the same labels dict from sample to sample: the rules engine keeps its key (see Signals)
+        labels = state.frozen.labels if state.frozen is not None else {"training_job": job, "worker": worker}
         # a process still waiting for its first step reports a wall-clock age, so it is refrozen every sample
-        return _Frozen(row, {"training_job": job, "worker": worker}, signals, tuple(views), now if waiting else until)
+        return _Frozen(row, labels, signals, tuple(views), now if waiting else until)
 
     def rule_signals(self) -> Signals:
         return self._sampled.signals

@@ -403,3 +403,29 @@ def test_a_batch_asks_the_kernel_for_the_sockets_on_its_senders_ports_in_one_rea
     finally:
         for s in sockets:
             s.close()
+
+
+def test_a_job_that_reports_again_hands_the_rules_the_same_labels_dict():
+    """1,000 jobs report every second, so each is frozen again at every sample: its labels dict stays the same
+    object, which the rules engine keeps a sorted key for instead of sorting it again (issue 24)."""
+    from helpers import FakeClock
+
+    clock = FakeClock()
+    collector = TrainingCollector(HookSettings(socket="", listen=None), Environment(clock=clock))
+    reporter = Reporter(job="again", worker="0", profiler=False, addr="127.0.0.1:9")
+    reporter.phase = "train"
+    try:
+        handed = []
+        for _ in range(4):  # its first report gives no step time yet
+            reporter.record(25, 1600, 0.5)
+            report = reporter.report()
+            report["time"] = clock.wall
+            assert collector.receive(json.dumps(report).encode(), Sender(local=False, address="127.0.0.1"))
+            clock.mono += 1
+            clock.wall += 1
+            collector.sample()
+            handed += [labels for labels, _ in collector.rule_signals()["step_seconds"]]
+        assert len(handed) == 3 and handed[0] == {"training_job": "again", "worker": "0"}
+        assert handed[1] is handed[0] and handed[2] is handed[0]
+    finally:
+        collector.close()

@@ -248,3 +248,58 @@ def test_baseline_windows_kept_sorted_do_not_outlive_the_rules_that_used_them():
             engine.observe("training", float(t), {"samples_per_second": [(labels, 100.0 + t % 7)]}, lambda _: True)
         (history,) = engine._history["samples_per_second"].values()
         assert list(history._sorted) == [(float(edit), 60.0)]
+
+
+def test_a_baseline_comparison_decided_by_the_medians_bounds_is_the_comparison_with_the_median(monkeypatch):
+    """A baseline rule compares with the median only where the bounds from the window as last kept sorted
+    cannot decide (issue 24): through steady stretches, drops, spikes, gaps and long stale runs, below and
+    above, with ratios 0 to 3, every result is the comparison with statistics.median of the window."""
+    import random
+    import statistics
+
+    exact = []
+    median_between = History.median_between
+    monkeypatch.setattr(History, "median_between", lambda self, *a: exact.append(1) or median_between(self, *a))
+    rng = random.Random(24)
+    conditions = [Condition("samples_per_second", aggregate=how, window=window, baseline=baseline, **{side: ratio})
+                  for how, window, baseline in (("mean", 20.0, 600.0), ("last", 0.0, 60.0), ("max", 5.0, 30.0))
+                  for side in ("below_baseline", "above_baseline") for ratio in (0.0, 0.7, 1.0, 3.0)]
+    histories = [History() for _ in conditions]  # one each: a window sorted for one is not stale for another
+    now, level, checked = 0.0, 100.0, 0
+    for step in range(3000):
+        now += 30.0 if step % 700 == 699 else 1.0
+        if step % 250 == 0:
+            level = rng.choice([100.0, 50.0, 200.0, 0.0])
+        value = rng.choice([level + rng.uniform(-5, 5), level, 1000.0 if step % 97 == 0 else level])
+        for history in histories:
+            history.append(now, value)
+            history.drop_before(now - 625)
+        for condition, history in zip(conditions, histories, strict=True):
+            recent = history.between(now - condition.window) or [history.last()]
+            value = aggregate(recent, condition.aggregate)
+            start = now - condition.window
+            window = history.between(start - condition.baseline, start)
+            if len(window) < 3:
+                assert holds(condition, history, now) == (False, value)
+                continue
+            middle = statistics.median(window)
+            want = (value < condition.below_baseline * middle if condition.below_baseline is not None
+                    else value > condition.above_baseline * middle)
+            assert holds(condition, history, now) == (want, value), (step, condition)
+            checked += 1
+    assert checked > 60000
+    assert 0 < len(exact) < checked / 2  # most comparisons are decided by the bounds alone (not with ratio 0)
+
+
+def test_a_series_key_kept_for_a_labels_dict_handed_again_never_goes_to_another_dict():
+    """The engine keeps the key of a labels dict that a collector hands again (a job's, every second): a dict
+    handed once and dropped must not lend its key to a new dict that the allocator puts at its address."""
+    engine = Engine([Rule("low", "", (Condition("gpu_utilization", below=0.5),), for_seconds=0)], signal_catalog())
+    kept = {"gpu": "k"}
+    for t in range(200):
+        # a dict dropped after the sample: the next sample's is likely made where it was
+        engine.observe("nvml", float(t), {"gpu_utilization": [(kept, 0.9), ({"gpu": str(t % 3)}, 0.1 * (t % 3))]},
+                       lambda _: True)
+        assert {k: [v for _, v in engine.history("gpu_utilization", {"gpu": k})][-1]
+                for k in ("k", str(t % 3))} == {"k": 0.9, str(t % 3): 0.1 * (t % 3)}
+        assert sorted(dict(key)["gpu"] for key in engine._history["gpu_utilization"]) == sorted({"k", str(t % 3)})
