@@ -1267,6 +1267,9 @@ def _job_lines(row: _Row, before: _JobLines | None = None) -> _JobLines:
         labels = before.labels
     old, totals = before.row, row.totals
     was = old.totals
+    # counts, processes and epoch are ints (``_int`` checks every report), so ``==`` is exact for them; the float
+    # fields (rate, batch size, first step) go through ``_same``, which never reuses a zero's line; the step sum
+    # is written with the histogram every time
     phase = before[8] if row.phase == old.phase else "" if row.phase is None else "".join(
         f'{_P}phase{{phase="{p}",{labels}{"1.0" if p == row.phase else "0.0"}\n' for p in PHASES)
     buckets = []
