@@ -457,11 +457,13 @@ class Engine:
                     history.append(now, value)
                     history.drop_before(oldest)
             for signal, histories in self._history.items():
-                keys = seen.get(signal, set())
-                if self.catalog[signal][0] == source and signal not in signals:
+                if self.catalog[signal][0] != source:
+                    continue
+                if signal not in signals:
                     self._keys.pop(signal, None)
-                if self.catalog[signal][0] == source and len(keys) < len(histories):  # keys: some of its series
-                    for key in histories.keys() - keys:
+                sent = seen.get(signal, set())
+                if len(sent) < len(histories):  # some of its series did not come
+                    for key in histories.keys() - sent:
                         del histories[key]  # the GPU, job or interface is gone
             return self._evaluate(source, now, training)
 
