@@ -217,6 +217,7 @@ class Exposition:
         self._labels: dict[str, dict[tuple, str]] = {}  # collector -> its label sets as written (render())
         self._kept: dict[str, KeptFamilies] = {}  # collector -> its families as last rendered (render())
         self._scrapes: dict[str, tuple[float, float | None]] = {}  # format -> (last scrape, period)
+        self._forgotten: dict[str, int] = {}  # collector -> how often forget() dropped it
         self._lock = threading.Lock()
 
     def _due(self, fmt: str, now: float, interval: float) -> bool:
@@ -236,25 +237,40 @@ class Exposition:
         for fmt in list(self._scrapes):
             part = self._parts.get((name, fmt))
             if not self._due(fmt, now, interval):
-                self._parts.pop((name, fmt), None)
+                with self._lock:  # forget() walks the parts under it
+                    self._parts.pop((name, fmt), None)
             elif part is None or now - part.made >= min_gap:
-                self._parts[(name, fmt)] = Part(self._render(name, collect, fmt), now)
+                self._fresh(name, collect, fmt, now)
 
     def part(self, name: str, fmt: str, collect: Callable[[], Iterable[Metric]], max_age: float) -> bytes:
         """The collector's rendering in ``fmt``, at most ``max_age`` old (rendered now if there is none)."""
         now = self.clock()
         part = self._parts.get((name, fmt))
         if part is None or now - part.made > max_age:
-            part = self._parts[(name, fmt)] = Part(self._render(name, collect, fmt), now)
+            return self._fresh(name, collect, fmt, now)
         return part.bytes
+
+    def _fresh(self, name: str, collect: Callable[[], Iterable[Metric]], fmt: str, now: float) -> bytes:
+        """Render the part and keep it, unless ``forget`` dropped the part meanwhile: what it collected may be
+        what forget() was called to drop (a collector disabled by a reload while another collector's thread
+        rendered the agent's part, with that collector's collector_success series, which scrapes then served for
+        up to an interval more)."""
+        forgotten = self._forgotten.get(name, 0)
+        data = self._render(name, collect, fmt)
+        with self._lock:
+            if self._forgotten.get(name, 0) == forgotten:
+                self._parts[(name, fmt)] = Part(data, now)
+        return data
 
     def _render(self, name: str, collect: Callable[[], Iterable[Metric]], fmt: str) -> bytes:
         return render(collect(), fmt, self._sections.setdefault(name, {}), self._labels.setdefault(name, {}),
                       self._kept.setdefault(name, {}) if name in self._reusing else None)
 
     def forget(self, name: str) -> None:
-        for key in [k for k in self._parts if k[0] == name]:
-            self._parts.pop(key, None)
+        with self._lock:
+            self._forgotten[name] = self._forgotten.get(name, 0) + 1
+            for key in [k for k in self._parts if k[0] == name]:
+                self._parts.pop(key, None)
         self._sections.pop(name, None)
         self._labels.pop(name, None)
         self._kept.pop(name, None)

@@ -171,3 +171,27 @@ def test_a_burst_of_polls_that_stopped_does_not_keep_the_agent_rendering():
     assert len(rendered) - count <= 3  # the cadence lapsed after two periods and 2.5 intervals
     exposition.body(lambda fmt: [exposition.part("x", fmt, collect, 2.5)], "", "")
     assert rendered[-1] == now[0]  # a scrape that does come still gets a fresh rendering
+
+
+def test_a_rendering_that_forget_overtook_is_not_served_again():
+    """A reload that disables a collector forgets the agent's part while another collector's thread may be
+    rendering it from the collectors as they were: that rendering must not be kept, or scrapes serve the gone
+    collector's collector_success series for up to an interval more."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from tfprofd.daemon.exposition import TEXT, Exposition
+
+    exposition = Exposition(clock=lambda: 100.0)
+    collectors = ["cpu", "disk"]
+
+    def collect():
+        family = GaugeMetricFamily("tfprofd_collector_success", "Success.", labels=["collector"])
+        for name in list(collectors):
+            family.add_metric([name], 1.0)
+            if name == "disk" and len(collectors) == 2:  # the reload lands while this rendering runs
+                collectors.remove("disk")
+                exposition.forget("agent")
+        return [family]
+
+    assert b'collector="disk"' in exposition.part("agent", TEXT, collect, 10.0)  # this scrape's own snapshot
+    assert b'collector="disk"' not in exposition.part("agent", TEXT, collect, 10.0)
