@@ -17,6 +17,7 @@ after ``stale_after``; the job reads down after ``down_after`` and is forgotten 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import ipaddress
@@ -794,6 +795,10 @@ class TrainingCollector(Collector):
             raise OSError(exc.errno, f"cannot open the hook's report socket: {exc.strerror or exc}") from None
         for sock in self._sockets:
             self._selector.register(sock, selectors.EVENT_READ)
+        # close() wakes the listener through this pair, so it waits on its sockets alone: a timeout to look at
+        # the stop flag woke it five times a second with no report to read (issue 24)
+        self._closing, self._wake_closing = socket.socketpair()
+        self._selector.register(self._closing, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._guarded_loop, name="tfprofd-hook-listener", daemon=True)
         self._thread.start()
 
@@ -861,8 +866,10 @@ class TrainingCollector(Collector):
     def _receive_loop(self) -> None:
         rate = _Rate()
         while not self._stop.is_set():
-            for key, _ in self._selector.select(timeout=0.2):
+            for key, _ in self._selector.select():
                 sock: socket.socket = key.fileobj  # type: ignore[assignment]
+                if sock is self._closing:
+                    return
                 batch = self._drain(sock, 256)  # at most this many, so the stop flag is seen under a flood
                 if batch is None:
                     return
@@ -1168,8 +1175,13 @@ class TrainingCollector(Collector):
                     pass
         self._stop.set()
         thread = getattr(self, "_thread", None)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=1)
+        if thread is not None:
+            with contextlib.suppress(OSError):  # closed already
+                self._wake_closing.send(b"x")
+            if thread is not threading.current_thread():
+                thread.join(timeout=1)
+            self._closing.close()
+            self._wake_closing.close()
         for sock in self._sockets:
             sock.close()
         self._selector.close()

@@ -293,6 +293,29 @@ def test_a_report_is_handled_at_once_not_after_the_gathering(monkeypatch):
         collector.close()
 
 
+def test_a_listener_with_nothing_to_read_sleeps_until_a_report_or_close():
+    """A job that is not reporting costs nothing: the listener waits on its sockets alone (it woke five times a
+    second to look at a stop flag), and close() wakes it at once."""
+    collector = TrainingCollector(HookSettings(socket="", listen=("127.0.0.1", 0)), Environment())
+    try:
+        listener = next(t for t in threading.enumerate() if t.name == "tfprofd-hook-listener")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(json.dumps(Reporter(job="one", worker="0", profiler=False, addr="127.0.0.1:9").report())
+                     .encode(), collector.udp_address)
+            wait_for(lambda: collector.accepted == 1, 60, message="the report to be handled")
+
+        def wakes() -> int:
+            status = Path(f"/proc/self/task/{listener.native_id}/status").read_text()
+            return sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
+
+        before = wakes()
+        threading.Event().wait(1.0)  # a second with nothing to read
+        assert wakes() == before
+    finally:
+        collector.close()
+    assert not listener.is_alive()
+
+
 def test_reports_gathered_after_a_read_are_checked_against_a_later_one():
     """A socket the table listed may close before a gathered datagram comes, and its port be bound by another
     user to send a forged report: what came after a read is never vouched for by it."""
