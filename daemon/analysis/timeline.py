@@ -57,7 +57,7 @@ COPY_KINDS = {"H2D": ("H2D", "HtoD"), "D2H": ("D2H", "DtoH"), "D2D": ("D2D", "Dt
 ITERATOR_CALLS = ("IteratorGetNextOp::DoCompute", "IteratorGetNextAsOptionalOp::DoCompute")  # one per batch fetched
 MIN_CALLS = 3  # a tf.function executed this often in the capture can be the training step
 LAUNCH_THREADS = ("tf_Compute", "tf_numa", "tf_inter_op", "tf_gpu")  # host threads that run ops and launch kernels
-# Bookkeeping of TF's allocator, tf.data's iterators and its thread pools, by event name: never a step marker, a
+# Bookkeeping of TF's allocator, tf.data's iterators and TF's thread pools, by event name: never a step marker, a
 # tf.function call or a loop iteration (those are the stepping thread's, the function's own and the executors'
 # events), so their stats are not read for one. They are most of the stats: a demo capture's 89,000 iterator
 # events have 5 each, allocations 11-14; reading them was a third of the time the lines beside xprof took.
@@ -66,7 +66,7 @@ BOOKKEEPING_PREFIXES = ("Iterator::", "ThreadpoolListener::")
 
 
 def _bookkeeping(names: dict[int, str]) -> set[int]:
-    """The ids of a plane's bookkeeping events (``BOOKKEEPING_EVENTS``)."""
+    """The ids of a plane's bookkeeping events (``BOOKKEEPING_EVENTS``, or named with a ``BOOKKEEPING_PREFIXES``)."""
     return {i for i, name in names.items() if name in BOOKKEEPING_EVENTS or name.startswith(BOOKKEEPING_PREFIXES)}
 
 
