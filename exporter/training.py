@@ -785,22 +785,29 @@ class TrainingCollector(Collector):
         self._logs_suppressed = 0
         self._selector = selectors.DefaultSelector()
         self._sockets: list[socket.socket] = []
-        try:
+        # close() wakes the listener through this pair, so it waits on its sockets alone: a timeout to look at
+        # the stop flag woke it five times a second with no report to read (issue 24)
+        self._closing: socket.socket | None = None
+        self._wake_closing: socket.socket | None = None
+        self._thread: threading.Thread | None = None  # set once started: close() joins only a started thread
+        try:  # whatever fails, nothing stays open or bound (the next start or a reload would find it in use)
             if settings.socket:
                 self._sockets.append(self._open_unix(Path(settings.socket)))
             if settings.listen:
                 self._sockets.append(self._open_udp(settings.listen))
+            self._closing, self._wake_closing = socket.socketpair()
+            for sock in (*self._sockets, self._closing):
+                self._selector.register(sock, selectors.EVENT_READ)
         except OSError as exc:
             self.close()
             raise OSError(exc.errno, f"cannot open the hook's report socket: {exc.strerror or exc}") from None
-        for sock in self._sockets:
-            self._selector.register(sock, selectors.EVENT_READ)
-        # close() wakes the listener through this pair, so it waits on its sockets alone: a timeout to look at
-        # the stop flag woke it five times a second with no report to read (issue 24)
-        self._closing, self._wake_closing = socket.socketpair()
-        self._selector.register(self._closing, selectors.EVENT_READ)
-        self._thread = threading.Thread(target=self._guarded_loop, name="tfprofd-hook-listener", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._guarded_loop, name="tfprofd-hook-listener", daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            self.close()
+            raise
+        self._thread = thread
 
     # ---- sockets ----
 
@@ -1166,7 +1173,7 @@ class TrainingCollector(Collector):
     def close(self) -> None:
         """Remove the socket file first (nothing can report any more), then stop the listener and close."""
         for sock in self._sockets:
-            if sock.family == socket.AF_UNIX:
+            if sock.family == socket.AF_UNIX and sock.fileno() != -1:  # not closed already
                 path = sock.getsockname()
                 try:
                     if path and stat.S_ISSOCK(os.lstat(path).st_mode):
@@ -1174,16 +1181,14 @@ class TrainingCollector(Collector):
                 except OSError:
                     pass
         self._stop.set()
-        thread = getattr(self, "_thread", None)
-        if thread is not None:
+        if self._wake_closing is not None:
             with contextlib.suppress(OSError):  # closed already
                 self._wake_closing.send(b"x")
-            if thread is not threading.current_thread():
-                thread.join(timeout=1)
-            self._closing.close()
-            self._wake_closing.close()
-        for sock in self._sockets:
-            sock.close()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1)
+        for sock in (*self._sockets, self._closing, self._wake_closing):
+            if sock is not None:
+                sock.close()
         self._selector.close()
 
     def collect(self) -> Sectioned:

@@ -4,6 +4,7 @@ UDP reports shares one read of the host's socket table."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -308,12 +309,43 @@ def test_a_listener_with_nothing_to_read_sleeps_until_a_report_or_close():
             status = Path(f"/proc/self/task/{listener.native_id}/status").read_text()
             return sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
 
+        def settled() -> bool:  # back to waiting: on a busy machine it may still be finishing the report
+            first = wakes()
+            threading.Event().wait(0.1)
+            return wakes() == first
+
+        wait_for(settled, 60, message="the listener to wait again")
         before = wakes()
         threading.Event().wait(1.0)  # a second with nothing to read
         assert wakes() == before
     finally:
         collector.close()
     assert not listener.is_alive()
+
+
+def test_a_listener_that_cannot_start_leaves_nothing_open_or_bound(tmp_path, monkeypatch):
+    """Whatever fails while the listener starts (here the wake-up pair, on a host out of file descriptors), its
+    sockets are closed and its socket file removed at once: the next start, or a reload that enables the hook
+    again, found the path "in use by another running agent" until the garbage collector closed them."""
+    path = tmp_path / "hook.sock"
+    fds = len(os.listdir("/proc/self/fd"))
+
+    def out_of_descriptors(*args: object) -> None:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(socket, "socketpair", out_of_descriptors)
+        with pytest.raises(OSError, match="cannot open the hook's report socket: Too many open files"):
+            TrainingCollector(HookSettings(socket=str(path), listen=("127.0.0.1", 0)), Environment())
+    assert not path.exists()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    collector = TrainingCollector(HookSettings(socket=str(path), listen=("127.0.0.1", 0)), Environment())
+    try:
+        assert path.exists()
+    finally:
+        collector.close()
+        collector.close()  # twice, as a failed reload and then shutdown may
+    assert not path.exists()
 
 
 def test_reports_gathered_after_a_read_are_checked_against_a_later_one():
