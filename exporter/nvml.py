@@ -7,6 +7,7 @@ skipped (and the collector's success reads 0) while the others keep being export
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -726,13 +727,19 @@ class XidWatcher:
         nvml = self.collector.nvml
         event_set = nvml.nvmlEventSetCreate()
         devices: dict[int | None, tuple[int, str]] = {}
-        for index in range(nvml.nvmlDeviceGetCount()):
-            try:
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                nvml.nvmlDeviceRegisterEvents(handle, XID_CRITICAL_ERROR_EVENT, event_set)
-                devices[ctypes.cast(handle, ctypes.c_void_p).value] = (index, _text(nvml.nvmlDeviceGetUUID(handle)))
-            except nvml.NVMLError as exc:
-                log.debug("GPU %d: no XID events: %s", index, exc)
+        try:
+            for index in range(nvml.nvmlDeviceGetCount()):
+                try:
+                    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                    nvml.nvmlDeviceRegisterEvents(handle, XID_CRITICAL_ERROR_EVENT, event_set)
+                    devices[ctypes.cast(handle, ctypes.c_void_p).value] = (index,
+                                                                         _text(nvml.nvmlDeviceGetUUID(handle)))
+                except nvml.NVMLError as exc:
+                    log.debug("GPU %d: no XID events: %s", index, exc)
+        except BaseException:  # no GPUs to count (a driver going away): the set is freed, not left to each retry
+            with contextlib.suppress(nvml.NVMLError):
+                nvml.nvmlEventSetFree(event_set)
+            raise
         return event_set, devices
 
     def _guarded(self) -> None:

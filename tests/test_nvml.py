@@ -4,6 +4,8 @@ reloads, failing fields, MIG instances, GPM and the sm_activity rule."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 from fake_kubelet import FakeKubelet
 
@@ -116,3 +118,42 @@ def test_mig_instances_their_processes_pods_and_the_sm_activity_rule(agents, tmp
     assert metric_value(text, "tfprofd_mig_sm_activity_ratio", gpu="0", gpu_instance_id="2") == 0.05
     # the kubelet names the MIG device; NVML says which GPU it is on
     assert metric_value(text, "tfprofd_gpu_pod_info", gpu="0", uuid=mig_uuid, pod="small") == 1
+
+
+XID_REGISTRATION = """
+import os, sys
+import pynvml
+from tfprofd.exporter.nvml import XidWatcher
+
+class Collector:
+    nvml = pynvml
+
+pynvml.nvmlInit()
+watcher = XidWatcher(Collector())
+os.remove(sys.argv[1])  # the driver goes away: no GPUs to count, after the event set was made
+for _ in range(5):
+    try:
+        watcher._register()
+    except pynvml.NVMLError:
+        pass
+    else:
+        sys.exit("registered with no driver")
+links = []
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        pass  # the listing's own descriptor
+print(links.count("anon_inode:inotify"))
+"""
+
+
+def test_a_failed_xid_registration_frees_its_event_set(tmp_path, fakenvml):
+    """The XID watcher makes an event set, then registers each GPU; when counting the GPUs fails (the driver
+    going away) the set is freed, not leaked by each retry (an event set holds a kernel watch, as the driver's
+    holds its resources)."""
+    state = GpuState(tmp_path / "nvml.json", [gpu(0)])
+    done = subprocess.run([sys.executable, "-c", XID_REGISTRATION, str(state.path)], env={**os.environ, **state.env()},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"
