@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <poll.h>
+#include <limits.h>
 #include <sys/inotify.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -477,7 +478,8 @@ static int watch_state(void) {
     if (!slash) strcpy(dir, ".");
     else if (!len) strcpy(dir, "/");
     int fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
-    if (fd >= 0 && inotify_add_watch(fd, dir, IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE | IN_MOVED_FROM) < 0) {
+    if (fd >= 0 && inotify_add_watch(fd, dir, IN_CLOSE_WRITE | IN_MOVED_TO | IN_DELETE | IN_MOVED_FROM |
+                                              IN_DELETE_SELF | IN_MOVE_SELF) < 0) {
         close(fd);
         fd = -1;
     }
@@ -486,6 +488,7 @@ static int watch_state(void) {
 
 nvmlReturn_t nvmlEventSetCreate(event_set **set) {
     *set = calloc(1, sizeof **set);
+    if (!*set) return ERR_UNKNOWN;
     (*set)->watch = watch_state();
     return OK;
 }
@@ -532,7 +535,7 @@ static long long now_ms(void) {
  * by polling it (a 100 ms poll here cost the agent's process a quarter of a percent of a core, which real
  * NVML, waiting in the kernel, does not). Without inotify it polls every 100 ms. */
 nvmlReturn_t nvmlEventSetWait_v2(event_set *set, nvmlEventData_t *data, unsigned timeout_ms) {
-    int fd = set->watch;  /* watching since the set was made, so a change made after a look wakes the wait */
+    /* watching since the set was made, so a change made after a look wakes the wait */
     long long deadline = now_ms() + timeout_ms;
     nvmlReturn_t rc;
     for (;;) {
@@ -546,11 +549,19 @@ nvmlReturn_t nvmlEventSetWait_v2(event_set *set, nvmlEventData_t *data, unsigned
             rc = got ? OK : lost ? ERR_GPU_IS_LOST : ERR_TIMEOUT;
             break;
         }
-        if (fd >= 0) {
-            struct pollfd p = {fd, POLLIN, 0};
-            char events[4096];
-            if (poll(&p, 1, (int)left) > 0)
-                while (read(fd, events, sizeof events) > 0) {}
+        if (set->watch >= 0) {
+            struct pollfd p = {set->watch, POLLIN, 0};
+            char events[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+            ssize_t n;
+            if (poll(&p, 1, left > INT_MAX ? INT_MAX : (int)left) > 0)
+                while ((n = read(set->watch, events, sizeof events)) > 0)
+                    for (char *e = events; e < events + n; e += sizeof(struct inotify_event) +
+                                                             ((struct inotify_event *)e)->len)
+                        if (((struct inotify_event *)e)->mask & IN_IGNORED) {  /* the directory went */
+                            close(set->watch);
+                            set->watch = -1;  /* poll from now on */
+                            break;
+                        }
         } else {
             struct timespec step = {0, (left < 100 ? left : 100) * 1000 * 1000};
             nanosleep(&step, NULL);
