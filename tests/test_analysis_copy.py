@@ -122,3 +122,36 @@ def test_a_while_loop_seen_late_on_the_executors_still_gets_its_ids_hidden_from_
     analysis = worker.analyze_worker(trace)
     assert converted == [(1, False), (1, True)]  # read as it is, then without loop ids
     assert analysis.loops_hidden
+
+
+def test_a_bookkeeping_event_with_a_step_number_is_no_step_in_either_copy(tmp_path, monkeypatch):
+    """tf.data's iterator events are bookkeeping, whose stats are never read for a step: one that carries a
+    step number is marked neither in the copy made beside xprof nor in the one made from the whole trace (the
+    latter marked it, so the two copies of one trace differed)."""
+    from tfprofd.daemon.analysis import worker
+    from tfprofd.daemon.analysis.timeline import read_events, timeline
+    from tfprofd.daemon.analysis.xprof import _rewritten
+    from tfprofd.daemon.protos import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/host:CPU")
+    plane.stat_metadata[1].id, plane.stat_metadata[1].name = 1, "step_num"
+    plane.event_metadata[1].id, plane.event_metadata[1].name = 1, "Profiled batch"
+    plane.event_metadata[2].id, plane.event_metadata[2].name = 2, "Iterator::Prefetch"
+    python, data_thread = plane.lines.add(name="python", timestamp_ns=1000), plane.lines.add(name="tf_data/1")
+    for n in range(30):
+        python.events.add(metadata_id=1, offset_ps=n * 10 * MS, duration_ps=9 * MS).stats.add(metadata_id=1,
+                                                                                          int64_value=n)
+    data_thread.events.add(metadata_id=2, offset_ps=5 * MS, duration_ps=MS).stats.add(metadata_id=1, int64_value=7)
+    data = space.SerializeToString()
+    whole = timeline(read_events(xplane_pb2.XSpace.FromString(data)))
+    assert whole.hints.needed
+    local = tmp_path / "localhost.xplane.pb"
+    local.write_bytes(data)
+    converted = []
+    monkeypatch.setattr(worker, "_convert", lambda linked, verbose: converted.append(linked.read_bytes()))
+    worker._read(local, verbose=False)
+    copy = xplane_pb2.XSpace.FromString(converted[0]).planes[0]
+    rooted = {i for i, m in copy.stat_metadata.items() if m.name == "_r"}
+    assert [sum(any(s.metadata_id in rooted for s in e.stats) for e in line.events) for line in copy.lines] == [30, 0]
+    assert converted == [_rewritten(data, whole.hints)]

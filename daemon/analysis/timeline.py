@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .xprof import StepHints
+from .xprof import StepHints, bookkeeping
 
 if TYPE_CHECKING:
     from ..protos.xplane_pb2 import XEvent, XSpace
@@ -57,17 +57,6 @@ COPY_KINDS = {"H2D": ("H2D", "HtoD"), "D2H": ("D2H", "DtoH"), "D2D": ("D2D", "Dt
 ITERATOR_CALLS = ("IteratorGetNextOp::DoCompute", "IteratorGetNextAsOptionalOp::DoCompute")  # one per batch fetched
 MIN_CALLS = 3  # a tf.function executed this often in the capture can be the training step
 LAUNCH_THREADS = ("tf_Compute", "tf_numa", "tf_inter_op", "tf_gpu")  # host threads that run ops and launch kernels
-# Bookkeeping of TF's allocator, tf.data's iterators and TF's thread pools, by event name: never a step marker, a
-# tf.function call or a loop iteration (those are the stepping thread's, the function's own and the executors'
-# events), so their stats are not read for one. They are most of the stats: a demo capture's 89,000 iterator
-# events have 5 each, allocations 11-14; reading them was a third of the time the lines beside xprof took.
-BOOKKEEPING_EVENTS = frozenset({"MemoryAllocation", "MemoryDeallocation"})
-BOOKKEEPING_PREFIXES = ("Iterator::", "ThreadpoolListener::")
-
-
-def _bookkeeping(names: dict[int, str]) -> set[int]:
-    """The ids of a plane's bookkeeping events (``BOOKKEEPING_EVENTS``, or named with a ``BOOKKEEPING_PREFIXES``)."""
-    return {i for i, name in names.items() if name in BOOKKEEPING_EVENTS or name.startswith(BOOKKEEPING_PREFIXES)}
 
 
 def copy_kind(*names: str) -> str | None:
@@ -102,8 +91,8 @@ class Events:
     unrooted: bool = False  # some step marker lacks ``_r=1`` (Keras 3's "Profiled batch")
     iterator_calls: list[Interval] = field(default_factory=list)  # the input iterator's get-next calls, any thread
     functions: dict[str, list[Interval]] = field(default_factory=dict)  # tf.function calls from Python, by name
-    # the host events with a step_num or tf_function_call stat (the only ones xprof's copy may mark as steps,
-    # see xprof.mark_steps), by plane and line index, each line's in its order
+    # the host events with a step_num or tf_function_call stat, bookkeeping aside (the only ones xprof's copy may
+    # mark as steps, see xprof.mark_steps), by plane and line index, each line's in its order
     marked: list[tuple[int, int, XEvent]] = field(default_factory=list)
 
 
@@ -200,13 +189,13 @@ def executors_loop(space: XSpace) -> bool:
             continue
         function_stat = next((i for i, name in stat_names.items() if name == "tf_function_call"), None)
         not_loops = {i for i, name in stat_names.items() if name == "step_num"} | {function_stat} - {None}
-        bookkeeping = _bookkeeping({i: m.name for i, m in plane.event_metadata.items()})
+        skipped = bookkeeping({i: m.name for i, m in plane.event_metadata.items()})
         for line in plane.lines:
             if not line.name.startswith(LAUNCH_THREADS):
                 continue
             events = line.events
             for event in itertools.islice(events, max(1000, len(events) // PROBED)):
-                if event.metadata_id in bookkeeping:
+                if event.metadata_id in skipped:
                     continue
                 for st in event.stats:
                     if st.metadata_id == loop_stat and (st.int64_value or st.uint64_value) > 0 and \
@@ -250,7 +239,7 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
         function_stat = next((i for i, name in stat_names.items() if name == "tf_function_call"), None)
         counted = step_stats | mark_stats | {function_stat, loop_stat} - {None}  # stats that make an event count
         wanted = bool(counted)
-        bookkeeping = _bookkeeping(names)  # none of them counts
+        skipped = bookkeeping(names)  # none of them counts
         if plane.name == "Task Environment":
             stats = {stat_names.get(st.metadata_id): st.int64_value or st.uint64_value for st in plane.stats}
             if stats.get("profile_start_time") and stats.get("profile_stop_time"):
@@ -294,7 +283,7 @@ def read_events(space: XSpace, only: Callable[[str, str], bool] | None = None, i
                     # thread's 600,000), most of the others only the executors' bookkeeping, and making a dict of
                     # each event's stats took half the read
                     stats = None
-                    raw = event.stats if wanted and metadata_id not in bookkeeping else None
+                    raw = event.stats if wanted and metadata_id not in skipped else None
                     if raw:
                         for st in raw:
                             if st.metadata_id in counted:
