@@ -12,10 +12,11 @@ prometheus_client on every family the agent exports, in both formats.
 
 from __future__ import annotations
 
-import gzip
 import re
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 
 from prometheus_client import exposition as text_format
@@ -179,13 +180,43 @@ def _render_sectioned(families: Sectioned, fmt: str, cache: SectionCache, out: l
 
 
 class Part:
-    """One collector's latest rendering per format, and when it was made (monotonic)."""
+    """One collector's latest rendering per format, when it was made (monotonic), and the same bytes deflated
+    once for every gzip scrape that reads this rendering (``deflated``)."""
 
-    __slots__ = ("bytes", "made")
+    __slots__ = ("_deflated", "bytes", "made")
 
     def __init__(self, data: bytes, made: float):
         self.bytes = data
         self.made = made
+        self._deflated: bytes | None = None
+
+    def deflated(self) -> bytes:
+        """The rendering as a raw deflate segment that ends on a byte boundary and refers to nothing before it:
+        segments in a row are one deflate stream (``gzip_body``). Made once (two scrapes racing may both make
+        it; either is kept)."""
+        if self._deflated is None:
+            compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS)
+            self._deflated = compressor.compress(self.bytes) + compressor.flush(zlib.Z_SYNC_FLUSH)
+        return self._deflated
+
+
+# gzip.compress(data, GZIP_LEVEL, mtime=0)'s header (no name, no time; XFL 4: the fastest level; OS 3, Unix) and
+# the deflate stream's last block (final, empty)
+_GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x04\x03"
+_LAST_BLOCK = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS).flush()
+_EOF_PART = Part(_EOF, 0.0)
+
+
+def gzip_body(parts: Sequence[Part]) -> bytes:
+    """The parts joined, as one gzip member (what ``gzip.compress`` makes of the joined bytes, in a few more
+    bytes): each part's deflate segment is made once, so a scrape deflates only what was rendered since the
+    last one (1,000 jobs: 2.7 MB a sample, ~4 ms, was deflated again for every scrape). One member, not one per
+    part: curl --compressed reads only a gzip stream's first member."""
+    crc, size = 0, 0
+    for part in parts:
+        crc, size = zlib.crc32(part.bytes, crc), size + len(part.bytes)
+    return b"".join([_GZIP_HEADER, *(part.deflated() for part in parts), _LAST_BLOCK,
+                     struct.pack("<II", crc, size & 0xFFFFFFFF)])
 
 
 def negotiate(accept: str) -> tuple[str, str]:
@@ -217,6 +248,7 @@ class Exposition:
         self._labels: dict[str, dict[tuple, str]] = {}  # collector -> its label sets as written (render())
         self._kept: dict[str, KeptFamilies] = {}  # collector -> its families as last rendered (render())
         self._scrapes: dict[str, tuple[float, float | None]] = {}  # format -> (last scrape, period)
+        self._gzipped: dict[str, bool] = {}  # format -> whether its last scrape took gzip
         self._forgotten: dict[str, int] = {}  # collector -> how often forget() dropped it
         self._lock = threading.Lock()
 
@@ -240,27 +272,29 @@ class Exposition:
                 with self._lock:  # forget() walks the parts under it
                     self._parts.pop((name, fmt), None)
             elif part is None or now - part.made >= min_gap:
-                self._fresh(name, collect, fmt, now)
+                part = self._fresh(name, collect, fmt, now)
+                if self._gzipped.get(fmt):
+                    part.deflated()  # here, not in the scrape that reads it
 
-    def part(self, name: str, fmt: str, collect: Callable[[], Iterable[Metric]], max_age: float) -> bytes:
+    def part(self, name: str, fmt: str, collect: Callable[[], Iterable[Metric]], max_age: float) -> Part:
         """The collector's rendering in ``fmt``, at most ``max_age`` old (rendered now if there is none)."""
         now = self.clock()
         part = self._parts.get((name, fmt))
         if part is None or now - part.made > max_age:
             return self._fresh(name, collect, fmt, now)
-        return part.bytes
+        return part
 
-    def _fresh(self, name: str, collect: Callable[[], Iterable[Metric]], fmt: str, now: float) -> bytes:
+    def _fresh(self, name: str, collect: Callable[[], Iterable[Metric]], fmt: str, now: float) -> Part:
         """Render the part and keep it, unless ``forget`` dropped the part meanwhile: what it collected may be
         what forget() was called to drop (a collector disabled by a reload while another collector's thread
         rendered the agent's part, with that collector's collector_success series, which scrapes then served for
         up to an interval more)."""
         forgotten = self._forgotten.get(name, 0)
-        data = self._render(name, collect, fmt)
+        part = Part(self._render(name, collect, fmt), now)
         with self._lock:
             if self._forgotten.get(name, 0) == forgotten:
-                self._parts[(name, fmt)] = Part(data, now)
-        return data
+                self._parts[(name, fmt)] = part
+        return part
 
     def _render(self, name: str, collect: Callable[[], Iterable[Metric]], fmt: str) -> bytes:
         return render(collect(), fmt, self._sections.setdefault(name, {}), self._labels.setdefault(name, {}),
@@ -284,15 +318,16 @@ class Exposition:
                 period = gap if period is None else 0.7 * period + 0.3 * gap
             self._scrapes[fmt] = (now, period)
 
-    def body(self, parts: Callable[[str], Iterable[bytes]], accept: str,
+    def body(self, parts: Callable[[str], Iterable[Part]], accept: str,
              accept_encoding: str) -> tuple[bytes, str, str | None]:
         """(body, content type, content encoding) of a scrape; ``parts(fmt)`` gives every rendered part."""
         fmt, content_type = negotiate(accept)
+        gzipped = text_format.gzip_accepted(accept_encoding)
         self._asked(fmt)
+        self._gzipped[fmt] = gzipped
         body_parts = list(parts(fmt))
         if fmt == OPENMETRICS:
-            body_parts.append(_EOF)
-        body = b"".join(body_parts)
-        if text_format.gzip_accepted(accept_encoding):
-            return gzip.compress(body, compresslevel=GZIP_LEVEL, mtime=0), content_type, "gzip"
-        return body, content_type, None
+            body_parts.append(_EOF_PART)
+        if gzipped:
+            return gzip_body(body_parts), content_type, "gzip"
+        return b"".join(part.bytes for part in body_parts), content_type, None

@@ -16,7 +16,7 @@ from prometheus_client.core import Metric
 
 from tfprofd.exporter.base import counter, gauge
 
-from .exposition import Exposition
+from .exposition import Exposition, Part
 from .httpserver import HttpServer, Request, Response, Router, json_response
 from .sampler import CollectorRunner, Snapshot, states
 
@@ -65,7 +65,7 @@ class Endpoints:
         self.exposition.after_sample(snapshot.collector, snapshot.families, interval)
         self.exposition.after_sample(AGENT_PART, self._agent_families, interval, min_gap=interval / 2)
 
-    def _parts(self, fmt: str) -> list[bytes]:
+    def _parts(self, fmt: str) -> list[Part]:
         max_age = 2 * self.interval() + 0.5
         parts = [self.exposition.part(name, fmt, snap.families, max_age)
                  for name, runner in sorted(self.runners().items()) if (snap := runner.serving())]

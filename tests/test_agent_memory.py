@@ -76,7 +76,7 @@ def test_a_collector_part_keeps_its_rendering_but_none_of_the_families_it_render
     exposition = Exposition(clock=lambda: 0.0)
     for fmt in (TEXT, OPENMETRICS, TEXT):
         value[0] += 1
-        body = exposition.part("nvml", fmt, collect, max_age=-1.0)  # rendered afresh each time
+        body = exposition.part("nvml", fmt, collect, max_age=-1.0).bytes  # rendered afresh each time
         assert body == render_library(collect(), fmt)
     gc.collect()
     assert len(made) == 6 and [ref() for ref in made] == [None] * 6

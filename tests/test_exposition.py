@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import gzip
 import http.client
+import shutil
+import subprocess
+import zlib
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,6 +37,61 @@ def test_openmetrics_and_text_and_gzip_are_negotiated(agents):
     status, headers, zipped = get(agent, {"Accept-Encoding": "gzip"})
     assert headers["content-encoding"] == "gzip"
     assert metric_value(gzip.decompress(zipped).decode(), "tfprofd_collector_success", collector="cpu") == 1
+
+
+def test_a_gzip_scrape_is_one_member_that_curl_reads_whole(agents):
+    """Each part is deflated once and the scrape joins them into one gzip member: every reader gets the whole
+    body, curl --compressed included (it reads a stream's first member only)."""
+    agent = agents()
+    for accept in ("application/openmetrics-text; version=1.0.0", ""):
+        status, headers, zipped = get(agent, {"Accept": accept, "Accept-Encoding": "gzip"})
+        assert status == 200 and headers["content-encoding"] == "gzip"
+        member = zlib.decompressobj(31)
+        body = member.decompress(zipped)
+        assert member.eof and member.unused_data == b""  # one member, nothing after it
+        assert body == gzip.decompress(zipped)
+        assert body.endswith(b"# EOF\n") == bool(accept)
+        assert metric_value(body.decode(), "tfprofd_collector_success", collector="cpu") == 1
+    if shutil.which("curl"):
+        shown = subprocess.run(["curl", "-sf", "--compressed", "-H", "Accept: application/openmetrics-text",
+                                f"http://127.0.0.1:{agent.port}/metrics"], capture_output=True, timeout=30)
+        assert shown.returncode == 0 and shown.stdout.endswith(b"# EOF\n")
+        assert b"# TYPE tfprofd_cpu_seconds counter" in shown.stdout
+
+
+def test_a_rendering_is_deflated_once_ahead_of_the_gzip_scrapes_that_read_it(monkeypatch):
+    """With 1,000 jobs a sample renders 2.7 MB, which every gzip scrape deflated again (~4 ms each, in the
+    scrape): a part is deflated once, on the sampling thread when gzip scrapes are due, and a scrape only joins
+    the segments, whatever the format and however many scrapers (an HA pair of Prometheus servers)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from tfprofd.daemon import exposition as module
+    from tfprofd.daemon.exposition import OPENMETRICS, Exposition, render
+
+    now, value = [100.0], [0.0]
+    exposition = Exposition(clock=lambda: now[0])
+
+    def collect():
+        return [GaugeMetricFamily("tfprofd_test", "A gauge.", value=value[0])]
+
+    def scrape() -> bytes:
+        body, _, encoding = exposition.body(lambda fmt: [exposition.part("x", fmt, collect, 2.5)],
+                                            "application/openmetrics-text", "gzip")
+        assert encoding == "gzip"
+        return gzip.decompress(body)
+
+    for _ in range(3):  # Prometheus every second: the cadence is learned
+        assert scrape() == render(collect(), OPENMETRICS) + b"# EOF\n"
+        now[0] += 1.0
+    deflated = []
+    compressobj = module.zlib.compressobj
+    monkeypatch.setattr(module.zlib, "compressobj", lambda *a: deflated.append(now[0]) or compressobj(*a))
+    value[0] = 7.0
+    exposition.after_sample("x", collect, interval=1.0)  # the sampling thread renders, and deflates
+    assert deflated == [now[0]]
+    for _ in range(4):  # two scrapers, twice: nothing deflated again
+        assert scrape() == render(collect(), OPENMETRICS) + b"# EOF\n"
+    assert deflated == [now[0]]
 
 
 def test_a_failing_part_leaves_the_rest_of_the_scrape(caplog):
@@ -193,5 +251,5 @@ def test_a_rendering_that_forget_overtook_is_not_served_again():
                 exposition.forget("agent")
         return [family]
 
-    assert b'collector="disk"' in exposition.part("agent", TEXT, collect, 10.0)  # this scrape's own snapshot
-    assert b'collector="disk"' not in exposition.part("agent", TEXT, collect, 10.0)
+    assert b'collector="disk"' in exposition.part("agent", TEXT, collect, 10.0).bytes  # this scrape's own snapshot
+    assert b'collector="disk"' not in exposition.part("agent", TEXT, collect, 10.0).bytes
