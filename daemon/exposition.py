@@ -248,7 +248,7 @@ class Exposition:
         self._labels: dict[str, dict[tuple, str]] = {}  # collector -> its label sets as written (render())
         self._kept: dict[str, KeptFamilies] = {}  # collector -> its families as last rendered (render())
         self._scrapes: dict[str, tuple[float, float | None]] = {}  # format -> (last scrape, period)
-        self._gzipped: dict[str, bool] = {}  # format -> whether its last scrape took gzip
+        self._gzipped: dict[str, float] = {}  # format -> when a scrape last took it with gzip
         self._forgotten: dict[str, int] = {}  # collector -> how often forget() dropped it
         self._lock = threading.Lock()
 
@@ -272,9 +272,14 @@ class Exposition:
                 with self._lock:  # forget() walks the parts under it
                     self._parts.pop((name, fmt), None)
             elif part is None or now - part.made >= min_gap:
-                part = self._fresh(name, collect, fmt, now)
-                if self._gzipped.get(fmt):
-                    part.deflated()  # here, not in the scrape that reads it
+                self._fresh(name, collect, fmt, now, deflate=self._gzip_due(fmt, now, interval))
+
+    def _gzip_due(self, fmt: str, now: float, interval: float) -> bool:
+        """Whether a gzip scrape in ``fmt`` is due as ``_due`` reckons (a plain scraper of the same format, curl or
+        a Prometheus without compression, may come in between)."""
+        last = self._gzipped.get(fmt)
+        period = self._scrapes[fmt][1] or interval
+        return last is not None and now - last <= 2 * period + 2.5 * interval
 
     def part(self, name: str, fmt: str, collect: Callable[[], Iterable[Metric]], max_age: float) -> Part:
         """The collector's rendering in ``fmt``, at most ``max_age`` old (rendered now if there is none)."""
@@ -284,13 +289,16 @@ class Exposition:
             return self._fresh(name, collect, fmt, now)
         return part
 
-    def _fresh(self, name: str, collect: Callable[[], Iterable[Metric]], fmt: str, now: float) -> Part:
-        """Render the part and keep it, unless ``forget`` dropped the part meanwhile: what it collected may be
-        what forget() was called to drop (a collector disabled by a reload while another collector's thread
-        rendered the agent's part, with that collector's collector_success series, which scrapes then served for
-        up to an interval more)."""
+    def _fresh(self, name: str, collect: Callable[[], Iterable[Metric]], fmt: str, now: float,
+               deflate: bool = False) -> Part:
+        """Render the part (``deflate``: and deflate it, before a scrape can read it) and keep it, unless
+        ``forget`` dropped the part meanwhile: what it collected may be what forget() was called to drop (a
+        collector disabled by a reload while another collector's thread rendered the agent's part, with that
+        collector's collector_success series, which scrapes then served for up to an interval more)."""
         forgotten = self._forgotten.get(name, 0)
         part = Part(self._render(name, collect, fmt), now)
+        if deflate:
+            part.deflated()
         with self._lock:
             if self._forgotten.get(name, 0) == forgotten:
                 self._parts[(name, fmt)] = part
@@ -324,7 +332,8 @@ class Exposition:
         fmt, content_type = negotiate(accept)
         gzipped = text_format.gzip_accepted(accept_encoding)
         self._asked(fmt)
-        self._gzipped[fmt] = gzipped
+        if gzipped:
+            self._gzipped[fmt] = self.clock()
         body_parts = list(parts(fmt))
         if fmt == OPENMETRICS:
             body_parts.append(_EOF_PART)

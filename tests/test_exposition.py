@@ -62,7 +62,8 @@ def test_a_gzip_scrape_is_one_member_that_curl_reads_whole(agents):
 def test_a_rendering_is_deflated_once_ahead_of_the_gzip_scrapes_that_read_it(monkeypatch):
     """With 1,000 jobs a sample renders 2.7 MB, which every gzip scrape deflated again (~4 ms each, in the
     scrape): a part is deflated once, on the sampling thread when gzip scrapes are due, and a scrape only joins
-    the segments, whatever the format and however many scrapers (an HA pair of Prometheus servers)."""
+    the segments, however many scrapers (an HA pair of Prometheus servers) and whatever plain scrapers of the same
+    format come in between."""
     from prometheus_client.core import GaugeMetricFamily
 
     from tfprofd.daemon import exposition as module
@@ -74,15 +75,17 @@ def test_a_rendering_is_deflated_once_ahead_of_the_gzip_scrapes_that_read_it(mon
     def collect():
         return [GaugeMetricFamily("tfprofd_test", "A gauge.", value=value[0])]
 
-    def scrape() -> bytes:
-        body, _, encoding = exposition.body(lambda fmt: [exposition.part("x", fmt, collect, 2.5)],
-                                            "application/openmetrics-text", "gzip")
-        assert encoding == "gzip"
-        return gzip.decompress(body)
+    def scrape(encoding: str = "gzip") -> bytes:
+        body, _, used = exposition.body(lambda fmt: [exposition.part("x", fmt, collect, 2.5)],
+                                        "application/openmetrics-text", encoding)
+        assert used == (encoding or None)
+        return gzip.decompress(body) if used else body
 
-    for _ in range(3):  # Prometheus every second: the cadence is learned
+    for _ in range(3):  # Prometheus every second, and curl (no gzip) in between: the cadence is learned
         assert scrape() == render(collect(), OPENMETRICS) + b"# EOF\n"
-        now[0] += 1.0
+        now[0] += 0.5
+        assert scrape("") == render(collect(), OPENMETRICS) + b"# EOF\n"
+        now[0] += 0.5
     deflated = []
     compressobj = module.zlib.compressobj
     monkeypatch.setattr(module.zlib, "compressobj", lambda *a: deflated.append(now[0]) or compressobj(*a))
