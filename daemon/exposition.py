@@ -219,6 +219,13 @@ def gzip_body(parts: Sequence[Part]) -> bytes:
                      struct.pack("<II", crc, size & 0xFFFFFFFF)])
 
 
+def _cadence_kept(period: float, interval: float) -> float:
+    """How long after its last scrape a cadence is still kept: past two periods without a scrape it is gone (a
+    burst of polls that stopped), since rendering every sample for it would cost as much as being scraped (a
+    scrape that does come renders itself); 2.5 intervals more for the age a part may have."""
+    return 2 * period + 2.5 * interval
+
+
 def negotiate(accept: str) -> tuple[str, str]:
     """(format, content type) for an Accept header, as prometheus_client chooses them."""
     _, content_type = text_format.choose_encoder(accept)
@@ -256,9 +263,7 @@ class Exposition:
         last, period = self._scrapes[fmt]
         if period is None or now - last > DEMAND_SECONDS:
             return False  # no cadence known yet (one curl), or nobody scrapes this format any more
-        # past two periods without a scrape the cadence is gone (a burst of polls that stopped): rendering
-        # every sample for it would cost as much as being scraped; a scrape that does come renders itself
-        return period - 2.5 * interval <= now - last <= 2 * period + 2.5 * interval
+        return period - 2.5 * interval <= now - last <= _cadence_kept(period, interval)
 
     def after_sample(self, name: str, collect: Callable[[], Iterable[Metric]], interval: float,
                      min_gap: float = 0.0) -> None:
@@ -277,9 +282,8 @@ class Exposition:
     def _gzip_due(self, fmt: str, now: float, interval: float) -> bool:
         """Whether a gzip scrape in ``fmt`` is due as ``_due`` reckons (a plain scraper of the same format, curl or
         a Prometheus without compression, may come in between)."""
-        last = self._gzipped.get(fmt)
-        period = self._scrapes[fmt][1] or interval
-        return last is not None and now - last <= 2 * period + 2.5 * interval
+        last, period = self._gzipped.get(fmt), self._scrapes[fmt][1]
+        return last is not None and period is not None and now - last <= _cadence_kept(period, interval)
 
     def part(self, name: str, fmt: str, collect: Callable[[], Iterable[Metric]], max_age: float) -> Part:
         """The collector's rendering in ``fmt``, at most ``max_age`` old (rendered now if there is none)."""
@@ -317,7 +321,7 @@ class Exposition:
         self._labels.pop(name, None)
         self._kept.pop(name, None)
 
-    def _asked(self, fmt: str) -> None:
+    def _asked(self, fmt: str, gzipped: bool) -> None:
         now = self.clock()
         with self._lock:
             last, period = self._scrapes.get(fmt, (None, None))
@@ -325,15 +329,15 @@ class Exposition:
                 gap = now - last
                 period = gap if period is None else 0.7 * period + 0.3 * gap
             self._scrapes[fmt] = (now, period)
+            if gzipped:
+                self._gzipped[fmt] = now
 
     def body(self, parts: Callable[[str], Iterable[Part]], accept: str,
              accept_encoding: str) -> tuple[bytes, str, str | None]:
         """(body, content type, content encoding) of a scrape; ``parts(fmt)`` gives every rendered part."""
         fmt, content_type = negotiate(accept)
         gzipped = text_format.gzip_accepted(accept_encoding)
-        self._asked(fmt)
-        if gzipped:
-            self._gzipped[fmt] = self.clock()
+        self._asked(fmt, gzipped)
         body_parts = list(parts(fmt))
         if fmt == OPENMETRICS:
             body_parts.append(_EOF_PART)
