@@ -534,10 +534,25 @@ static long long now_ms(void) {
 /* Blocks until an event is due or the timeout, as the driver does: woken by a change to the state file, not
  * by polling it (a 100 ms poll here cost the agent's process a quarter of a percent of a core, which real
  * NVML, waiting in the kernel, does not). Without inotify it polls every 100 ms. */
+/* Waits on the set's watch for a change, at most ``ms``; stops watching (polls from then on) once the watched
+ * directory is gone. */
+static void wait_for_change(event_set *set, long long ms) {
+    struct pollfd p = {set->watch, POLLIN, 0};
+    char events[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+    if (poll(&p, 1, ms > INT_MAX ? INT_MAX : (int)ms) <= 0) return;
+    ssize_t n;
+    while ((n = read(set->watch, events, sizeof events)) > 0)
+        for (char *e = events; e < events + n; e += sizeof(struct inotify_event) + ((struct inotify_event *)e)->len)
+            if (((struct inotify_event *)e)->mask & IN_IGNORED) {  /* the directory went */
+                close(set->watch);
+                set->watch = -1;
+                return;
+            }
+}
+
 nvmlReturn_t nvmlEventSetWait_v2(event_set *set, nvmlEventData_t *data, unsigned timeout_ms) {
     /* watching since the set was made, so a change made after a look wakes the wait */
     long long deadline = now_ms() + timeout_ms;
-    nvmlReturn_t rc;
     for (;;) {
         pthread_mutex_lock(&lock);
         refresh();
@@ -545,29 +560,16 @@ nvmlReturn_t nvmlEventSetWait_v2(event_set *set, nvmlEventData_t *data, unsigned
         int lost = !state_present;
         pthread_mutex_unlock(&lock);
         long long left = deadline - now_ms();
-        if (got || lost || left <= 0) {
-            rc = got ? OK : lost ? ERR_GPU_IS_LOST : ERR_TIMEOUT;
-            break;
-        }
+        if (got) return OK;
+        if (lost) return ERR_GPU_IS_LOST;
+        if (left <= 0) return ERR_TIMEOUT;
         if (set->watch >= 0) {
-            struct pollfd p = {set->watch, POLLIN, 0};
-            char events[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
-            ssize_t n;
-            if (poll(&p, 1, left > INT_MAX ? INT_MAX : (int)left) > 0)
-                while ((n = read(set->watch, events, sizeof events)) > 0)
-                    for (char *e = events; e < events + n; e += sizeof(struct inotify_event) +
-                                                             ((struct inotify_event *)e)->len)
-                        if (((struct inotify_event *)e)->mask & IN_IGNORED) {  /* the directory went */
-                            close(set->watch);
-                            set->watch = -1;  /* poll from now on */
-                            break;
-                        }
+            wait_for_change(set, left);
         } else {
             struct timespec step = {0, (left < 100 ? left : 100) * 1000 * 1000};
             nanosleep(&step, NULL);
         }
     }
-    return rc;
 }
 
 /* ---- health: remapped rows, retired pages, field values (recovery action, NVLink) ---- */
