@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import stat
@@ -60,8 +61,11 @@ STRAGGLER_ALERT = "TfprofdStraggler"
 
 
 def http_error(exc: DomainError) -> HttpError:
+    """The error's status, reason and ``code`` (its kind, e.g. ``no_training_job``: what a program, another agent
+    among them, can rely on where the reason's words may change)."""
     status = next(STATUS[cls] for cls in type(exc).__mro__ if cls in STATUS)
-    return HttpError(status, exc.reason, **exc.details)
+    code = re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower()
+    return HttpError(status, exc.reason, code=code, **exc.details)
 
 
 class TokenError(Exception):

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import outbound
 from .config import ClusterSettings
 from .errors import DiscoveryFailed, InvalidRequest
 
@@ -68,8 +67,6 @@ class PeerFinder:
         self.settings = settings
         self.networks = tuple(networks)
         self.api_port = api_port
-        # Never through an HTTP proxy from the environment (as the alert forwarder).
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def find(self, job: str) -> JobPeers:
         """The agents with a worker of ``job``. Raises InvalidRequest for a job name that cannot be one,
@@ -106,17 +103,19 @@ class PeerFinder:
         promql = f"max by (instance, worker) (tfprofd_training_up{{training_job={json.dumps(job)}}} == 1)"
         url = f"{self.settings.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
         where = f"Prometheus at {self.settings.prometheus_url}"
-        try:
-            with self._opener.open(url, timeout=self.settings.timeout) as response:
-                body = response.read(MAX_ANSWER_BYTES + 1)
-        except urllib.error.HTTPError as exc:
-            raise DiscoveryFailed(f"{where} answered {exc.code}: {exc.read(500).decode(errors='replace')}") from None
-        except (OSError, ValueError) as exc:
-            raise DiscoveryFailed(f"{where} unreachable: {getattr(exc, 'reason', exc)}") from None
+        try:  # as the agents are asked (outbound): no proxy, no redirect, one deadline for the whole answer
+            status, body, location = outbound.request(url, timeout=self.settings.timeout, max_bytes=MAX_ANSWER_BYTES)
+        except outbound.OutboundError as exc:
+            raise DiscoveryFailed(f"{where}: {exc}") from None
+        if 300 <= status < 400:
+            raise DiscoveryFailed(f"{where} answered {status}, a redirect to {str(location)[:200]!r}: set "
+                                  "cluster.prometheus_url to where Prometheus answers")
+        if status != 200:
+            raise DiscoveryFailed(f"{where} answered {status}: {body[:500].decode(errors='replace')}")
         if len(body) > MAX_ANSWER_BYTES:
             raise DiscoveryFailed(f"{where} sent more than {MAX_ANSWER_BYTES} bytes for one job")
         try:
-            answer: Any = json.loads(body)
+            answer: Any = outbound.strict_json(body)
             result = answer["data"]["result"] if answer.get("status") == "success" else None
             if not isinstance(result, list):
                 raise ValueError(answer.get("error", "no result"))

@@ -18,11 +18,10 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from . import outbound
 from .errors import ForwardFailed
 
 log = logging.getLogger("tfprofd.alerts")
@@ -37,8 +36,6 @@ class AlertForwarder:
         self.api_port = api_port
         self.token = token
         self.origin = origin
-        # Never through an HTTP proxy from the environment: the token goes to the agent itself.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def target(self, labels: dict[str, str]) -> str | None:
         """``host:port`` of the agent an alert with these labels belongs to, if forwarding may reach it."""
@@ -58,27 +55,24 @@ class AlertForwarder:
     def forward(self, target: str, payload: dict[str, Any], alerts: list[dict[str, Any]]) -> dict[str, Any]:
         """Send ``alerts`` (in a copy of the webhook ``payload``) to the agent at ``target``; its answer.
 
-        Raises ForwardFailed when that agent cannot be reached or asks for a retry (5xx)."""
-        body = json.dumps({**payload, "alerts": alerts}).encode()
-        request = urllib.request.Request(
-            f"http://{target}/api/v1/alerts", data=body, method="POST",
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.token()}",
-                     FORWARDED_HEADER: self.origin()})
+        Raises ForwardFailed when that agent cannot be reached or asks for a retry (5xx). The token goes to that
+        address alone (``outbound``: no proxy, no redirect)."""
         try:
-            with self._opener.open(request, timeout=self.settings().forward_timeout) as response:
-                answer = response.read(1 << 16)
-                status = response.status
-        except urllib.error.HTTPError as exc:
-            status, answer = exc.code, exc.read(1 << 16)
-        except (OSError, ValueError) as exc:
-            raise ForwardFailed(f"agent at {target} unreachable: {getattr(exc, 'reason', exc)}") from None
+            status, answer, _ = outbound.request(
+                f"http://{target}/api/v1/alerts", method="POST",
+                body=json.dumps({**payload, "alerts": alerts}).encode(),
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.token()}",
+                         FORWARDED_HEADER: self.origin()},
+                timeout=self.settings().forward_timeout, max_bytes=1 << 16)
+        except outbound.OutboundError as exc:
+            raise ForwardFailed(f"agent at {target}: {exc}") from None
         if status >= 500:
             raise ForwardFailed(f"agent at {target} answered {status}; Alertmanager will send again")
         if status != 200:
             log.warning("forwarded alerts to %s: it answered %d: %s", target, status, answer[:200])
         try:
-            return {"to": target, "status": status, "answer": json.loads(answer)}
-        except ValueError:
+            return {"to": target, "status": status, "answer": outbound.strict_json(answer)}
+        except ValueError:  # not JSON, cut at 64 KiB, or NaN: not passed on
             return {"to": target, "status": status}
 
 

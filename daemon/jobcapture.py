@@ -23,18 +23,17 @@ import re
 import secrets
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from . import outbound
 from .analysis.compare import compare
 from .analysis.model import CaptureAnalysis, Comparison, WorkerAnalysis
 from .captures import CaptureService
 from .cluster import JobPeers, PeerFinder
-from .errors import DomainError, InvalidRequest, NoTrainingJob
+from .errors import CaptureBusy, DomainError, InvalidRequest, NoTrainingJob
 from .forwarding import FORWARDED_HEADER
 from .records import FINISHED, ID, RecordStore, new_id
 
@@ -47,6 +46,7 @@ POLL_S = 0.5
 LATE_MS = 50.0  # a worker whose window opened this long after the instant is named
 STRAGGLER = 1.2  # the slowest worker's step is this much longer than the median of the others
 MAX_ANSWER = 4 * 1024 * 1024
+MAX_RUNNING = 8  # job-wide captures at once (each holds a thread per peer while it runs)
 LOCAL = "local"
 
 
@@ -149,34 +149,30 @@ class PeerError(Exception):
 
 
 class PeerClient:
-    """The control API of the other agents, with the shared token, never through a proxy."""
+    """The control API of the other agents, with the shared token (``outbound``: no proxy, no redirect, one
+    deadline for the whole answer)."""
 
     def __init__(self, token: Callable[[], str], origin: Callable[[], str]):
         self.token = token
         self.origin = origin
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def call(self, peer: str, method: str, path: str, body: Any = None, timeout: float = 5.0) -> tuple[int, Any]:
-        request = urllib.request.Request(
-            f"http://{peer}/api/v1{path}", data=json.dumps(body).encode() if body is not None else None,
-            method=method, headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.token()}",
-                                    FORWARDED_HEADER: self.origin()})
+        """(status, the answer's JSON object); raises PeerError when there is none."""
         try:
-            with self._opener.open(request, timeout=max(timeout, 0.05)) as response:
-                status, data = response.status, response.read(MAX_ANSWER + 1)
-        except urllib.error.HTTPError as exc:
-            status, data = exc.code, exc.read(MAX_ANSWER + 1)
-        except TimeoutError:
-            raise PeerError(f"no answer within {timeout:.1f}s") from None
-        except (OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            if isinstance(reason, TimeoutError):
-                raise PeerError(f"no answer within {timeout:.1f}s") from None
-            raise PeerError(f"unreachable: {reason}") from None
+            status, data, location = outbound.request(
+                f"http://{peer}/api/v1{path}", method=method, timeout=timeout, max_bytes=MAX_ANSWER,
+                body=json.dumps(body).encode() if body is not None else None,
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.token()}",
+                         FORWARDED_HEADER: self.origin()})
+        except outbound.OutboundError as exc:
+            raise PeerError(str(exc)) from None
+        if 300 <= status < 400:
+            raise PeerError(f"answered {status}, a redirect to {str(location)[:200]!r}, which is not followed: the "
+                            "shared token goes only to the agents configured")
         if status == 401:
             raise PeerError("refused the shared token (401): give every agent the same api token")
         try:
-            answer = json.loads(data) if len(data) <= MAX_ANSWER else None
+            answer = outbound.strict_json(data) if len(data) <= MAX_ANSWER else None
         except ValueError:
             answer = None
         if not isinstance(answer, dict):
@@ -339,8 +335,9 @@ class JobCaptures:
         """Find the job's agents and start the capture in the background; the record, ``running``. ``suspect``:
         the worker an alert named as the straggler, compared with the median worker in the record.
 
-        Raises InvalidRequest (no cluster configured, a bad job name), DiscoveryFailed, and NoTrainingJob when
-        no agent (this one included) has a worker of the job that may be asked."""
+        Raises InvalidRequest (no cluster configured, a bad job name), DiscoveryFailed, NoTrainingJob when
+        no agent (this one included) has a worker of the job that may be asked, and CaptureBusy while a job-wide
+        capture of the job, or MAX_RUNNING of any, run."""
         finder = self.finder()
         if not finder.settings.prometheus_url and not finder.settings.peers:
             raise InvalidRequest("a job-wide capture needs cluster.prometheus_url or cluster.peers to find the "
@@ -354,6 +351,12 @@ class JobCaptures:
         record = JobRecord(id=new_id(now), job=job, trigger=trigger, requested_at=now, suspect=suspect,
                            refused=[PeerFailure(r.instance, r.why) for r in found.refused])
         with self._lock:
+            running = [r for r in self._records.values() if r.status == "running"]
+            same = next((r for r in running if r.job == job), None)
+            if same is not None:
+                raise CaptureBusy(f"a job-wide capture of job {job!r} is running ({same.id}); it ends within minutes")
+            if len(running) >= MAX_RUNNING:
+                raise CaptureBusy(f"{MAX_RUNNING} job-wide captures are running; ask again when one has ended")
             self._records[record.id] = record
         self._save(record)
         threading.Thread(target=self._run, args=(record, found, duration_ms), daemon=True,
@@ -381,13 +384,22 @@ class JobCaptures:
         peers = [p.address for p in found.peers]
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(64, len(peers)))) as pool:
             pings = dict(zip(peers, pool.map(self._ping, peers), strict=True))
+        workers_seen = {p.address for p in found.peers if p.workers}  # by Prometheus; none known for cluster.peers
         reachable: dict[str, float] = {}
+        agents: dict[str, str] = {}  # agent id -> the address it is asked at
+        seen_here = False
         for peer, (rtt, agent, why) in pings.items():
             if why is not None:
                 record.failed.append(PeerFailure(peer, why))
-            elif agent != self.agent_id:
+            elif agent == self.agent_id:
+                seen_here = seen_here or peer in workers_seen
+            elif agent and agent in agents:  # one agent under two addresses (an IP from Prometheus, a name listed)
+                log.info("job capture %s: %s is the agent at %s; asked once", record.id, peer, agents[agent])
+            else:
+                agents[agent] = peer
                 reachable[peer] = rtt
-        local = self.agent_id in {agent for _, agent, _ in pings.values()} or record.job in self.captures.jobs.jobs()
+        # its own workers: those reporting here, or those Prometheus saw here (a failure is named if they went)
+        local = record.job in self.captures.jobs.jobs() or seen_here
         slowest = max(reachable.values(), default=0.0)
         lead = min(MAX_LEAD_S, MIN_LEAD_S + RTT_LEADS * slowest)
         start_at_ns = time.time_ns() + int(lead * 1e9)
@@ -402,13 +414,15 @@ class JobCaptures:
             except DomainError as exc:
                 record.failed.append(PeerFailure(LOCAL, exc.reason))
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(64, len(reachable)))) as pool:
-            answers = dict(zip(reachable, pool.map(lambda p: self._ask(p, record, duration_ms), reachable),
-                               strict=True))
+            answers = dict(zip(reachable, pool.map(lambda p: self._ask(p, record, duration_ms, p in workers_seen),
+                                                   reachable), strict=True))
         for peer, (capture_id, why) in answers.items():
             if capture_id is not None:
                 asked[peer] = capture_id
+            elif why is not None:
+                record.failed.append(PeerFailure(peer, why))
             else:
-                record.failed.append(PeerFailure(peer, str(why)))
+                record.peers.remove(peer)  # a listed agent with no worker of the job: not part of it
         record.captures = asked
         if asked:
             record.first_start_at = start_at_ns / 1e9
@@ -434,12 +448,15 @@ class JobCaptures:
         except PeerError as exc:
             return 0.0, "", str(exc)
         if status != 200:
-            return 0.0, "", f"answered {status}: {answer.get('error', answer)}"
+            return 0.0, "", f"answered {status}: {outbound.said(answer)}"
         return time.monotonic() - started, str(answer.get("agent", "")), None
 
-    def _ask(self, peer: str, record: JobRecord, duration_ms: int | None) -> tuple[str | None, str | None]:
-        """(the peer's capture id, or why not). An answer after the start instant is too late to be in the window.
-        An alert's capture is one there too: the peer's holds (a worker died in a capture) apply."""
+    def _ask(self, peer: str, record: JobRecord, duration_ms: int | None,
+             workers_seen: bool) -> tuple[str | None, str | None]:
+        """(the peer's capture id, or why not; both None for a peer with no worker of the job that none was
+        expected on: a static ``cluster.peers`` entry, as the same list given to every agent names them all). An
+        answer after the start instant is too late to be in the window. An alert's capture is one there too:
+        the peer's holds (a worker died in a capture) apply."""
         assert record.start_at_ns is not None
         start_at_ns = record.start_at_ns
         body: dict[str, Any] = {"job": record.job, "start_at_ns": start_at_ns, "trigger": record.trigger}
@@ -451,8 +468,10 @@ class JobCaptures:
         except PeerError as exc:
             return None, f"not asked in time: {exc} (the start instant came first)" if "no answer" in str(exc) \
                 else str(exc)
+        if status == 404 and answer.get("code") == "no_training_job" and not workers_seen:
+            return None, None
         if status != 202 or not isinstance(answer.get("id"), str) or not ID.match(answer["id"]):
-            return None, f"refused the capture ({status}): {answer.get('error', answer)}"
+            return None, f"refused the capture ({status}): {outbound.said(answer)}"
         return answer["id"], None
 
     def _follow(self, peer: str, capture_id: str,
@@ -464,22 +483,25 @@ class JobCaptures:
                     mine = self.captures.get(capture_id)
                     status, answer = (200, mine.public()) if mine is not None else (404, {})
                 else:
-                    status, answer = self.client.call(peer, "GET", f"/captures/{capture_id}", timeout=5.0)
+                    status, answer = self.client.call(peer, "GET", f"/captures/{capture_id}",
+                                                      timeout=min(5.0, deadline - time.time()))
             except PeerError as exc:
                 if time.time() > deadline:
                     return [], f"capture {capture_id}: {exc}"
                 time.sleep(POLL_S)
                 continue
             if status != 200:
-                return [], f"capture {capture_id}: answered {status}: {answer.get('error', answer)}"
+                return [], f"capture {capture_id}: answered {status}: {outbound.said(answer)}"
             if answer.get("status") in FINISHED:
                 try:
                     workers = worker_results(peer, answer)
                 except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-                    return [], f"capture {capture_id}: its record is not a capture record ({type(exc).__name__}: {exc})"
+                    return [], (f"capture {capture_id}: its record is not a capture record ({type(exc).__name__}: "
+                                f"{outbound.said(str(exc))})")
                 if answer["status"] == "done" and workers:
                     return workers, None
-                why = f"capture {capture_id} {answer.get('status')}: {answer.get('reason')}: {answer.get('detail')}"
+                why = (f"capture {capture_id} {answer.get('status')}: {outbound.said(answer.get('reason'), 100)}: "
+                       f"{outbound.said(answer.get('detail'))}")
                 return workers, why
             if time.time() > deadline:
                 return [], f"capture {capture_id} still {answer.get('status')} at the deadline"

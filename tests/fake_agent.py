@@ -73,6 +73,10 @@ class FakeAgent:
                 if not self._allowed():
                     return
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+                if not agent.workers:  # as a real agent answers (api.http_error): a program reads the code
+                    self._answer(404, {"error": f"no training job {body.get('job')!r} is reporting",
+                                       "code": "no_training_job"})
+                    return
                 agent.asked.append((time.time(), int(body.get("start_at_ns", 0))))
                 agent.triggers.append(str(body.get("trigger", "manual")))
                 time.sleep(agent.answer_delay)

@@ -5,14 +5,17 @@ another token, a peer that answers late, a job that ends mid-capture, a forged j
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 from fake_agent import FakeAgent, FakeWorker
+from hostile_http import NESTED, HostileServer, json_body, not_http, redirect_to, send
 
 from tfprofd.daemon.jobcapture import LOCAL, JobRecord, conclude, worker_results
 
@@ -324,3 +327,89 @@ def test_the_alerts_straggler_is_this_hosts_worker_when_other_hosts_use_the_same
     assert (compared.worker, compared.peer, compared.reference, compared.named_by) == ("0", LOCAL, "0", "alert")
     assert compared.reference_peer != LOCAL
     assert "+40.0 ms waiting for input" in record.detail, record.detail
+
+
+def _pinged_then(after):
+    """Answers the ping as an agent does (with an agent id of its own), every other request with ``after``."""
+    def answer(handler):
+        if handler.path == "/api/v1/peer":
+            send(handler, 200, json.dumps({"agent": f"hostile-{handler.server.server_address[1]}"}).encode())
+        else:
+            after(handler)
+    return answer
+
+
+def _strict(text: str):
+    return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the agent's JSON"))
+
+
+def test_peers_that_are_not_agents_fail_alone_and_the_token_goes_nowhere_else(coordinator):
+    """Each of these ended the whole record (a not-HTTP port, a nested answer), sent the shared token to where a
+    redirect pointed, or copied megabytes into the record; now each is one named failure beside the good peer."""
+    recorder = HostileServer(json_body(200, b'{"agent": "thief"}'))
+    hostile = {
+        "redirect": HostileServer(redirect_to(recorder.address)),
+        "ssh": HostileServer(not_http()),
+        "nested": HostileServer(json_body(200, NESTED)),
+        "nan": HostileServer(json_body(200, b'{"agent": NaN}')),
+        "huge": HostileServer(_pinged_then(json_body(409, json.dumps({"error": "x" * 4_000_000}).encode()))),
+    }
+    try:
+        good = fake([FakeWorker("worker-0")])
+        agent = coordinator([good], tuple(s.address for s in hostile.values()))
+        status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+        assert status == 202, answer
+        record = job_record(agent, answer["id"])
+        assert record["status"] == "partial", record
+        assert [w["worker"] for w in record["workers"]] == ["worker-0"]
+        why = {f["peer"]: f["why"] for f in record["failed"]}
+        assert set(why) == {s.address for s in hostile.values()}, why
+        redirected = why[hostile["redirect"].address]
+        assert "a redirect to" in redirected and "not followed" in redirected
+        assert "not an HTTP answer" in why[hostile["ssh"].address]
+        assert "not a tfprofd answer" in why[hostile["nested"].address]
+        assert "not a tfprofd answer" in why[hostile["nan"].address]
+        assert "refused the capture (409)" in why[hostile["huge"].address]
+        assert all(len(w) < 600 for w in why.values()), [len(w) for w in why.values()]
+        assert recorder.seen == []  # the redirect's target never saw the token, nor anything else
+        listed = urllib.request.urlopen(urllib.request.Request(
+            f"{agent.api}/captures", headers={"Authorization": f"Bearer {TOKEN}"}), timeout=10).read()
+        assert len(listed) < 100_000 and _strict(listed.decode())
+    finally:
+        for server in (recorder, *hostile.values()):
+            server.stop()
+
+
+def test_the_same_peer_list_on_every_agent_asks_each_agent_once_and_names_no_false_failure(tmp_path):
+    """README's static list, given to every agent: it names the coordinator itself and agents with no worker of
+    the job, and one agent may be listed under two names. Each agent with workers is asked once; the others are
+    not failures."""
+    with_worker, without = fake([FakeWorker("worker-0")]), fake([])
+    agent = AgentProcess(tmp_path, env={"TFPROFD_API_TOKEN": TOKEN})
+    peers = [f"127.0.0.1:{with_worker.port}", f"localhost:{with_worker.port}", f"127.0.0.1:{without.port}",
+             f"127.0.0.1:{agent.api_port}"]
+    agent.args += ["--captures.baseline", "false", "--cluster.timeout", "10s", "--cluster.peers", ",".join(peers)]
+    agent.start()
+    try:
+        status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+        assert status == 202, answer
+        record = job_record(agent, answer["id"])
+        assert (record["status"], record["failed"]) == ("done", []), record
+        assert [w["worker"] for w in record["workers"]] == ["worker-0"]
+        assert len(with_worker.asked) == 1 and record["peers"] == [f"127.0.0.1:{with_worker.port}"]
+    finally:
+        agent.stop()
+        with_worker.stop()
+        without.stop()
+
+
+def test_a_job_wide_capture_of_a_job_already_being_captured_is_refused(coordinator):
+    slow = fake([FakeWorker("worker-0")], answer_delay=30.0)  # holds the first capture until its start instant
+    agent = coordinator([slow])
+    status, first = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+    assert status == 202, first
+    status, second = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+    assert (status, second["code"]) == (409, "capture_busy") and first["id"] in second["error"], second
+    job_record(agent, first["id"])
+    status, third = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+    assert status == 202, third
