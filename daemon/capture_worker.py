@@ -27,11 +27,12 @@ import os
 import re
 import signal
 import socket
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .protos import profiler_pb2, xplane_pb2
 from .workers import PR_SET_PDEATHSIG, die_with_parent, signal_ready
@@ -39,6 +40,7 @@ from .workers import PR_SET_PDEATHSIG, die_with_parent, signal_ready
 EMPTY_TRACE_BYTES = 1024  # an idle process leaves a ~200-byte .xplane.pb
 MIN_LEAD_S = 0.02  # several targets: at least this long for every one to receive the request before the start
 MAX_LEAD_S = 0.3  # ... and at most this long
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 CONNECT_WAIT_S = 1.0  # how long a target may take to connect before the start (slower: it counts as MAX_LEAD_S)
 
 
@@ -104,24 +106,75 @@ def _is_empty(data: bytes) -> bool:
         return False
 
 
-def _result(status: str, reason: str | None, detail: str, logdir: Path, rpc_sent_at: float | None,
-            files: list[Path] | None = None) -> dict[str, Any]:
+def _result(status: str, reason: str | None, detail: str, rpc_sent_at: float | None,
+            files: list[Trace] | None = None) -> dict[str, Any]:
     files = files or []
     return {"status": status, "reason": reason, "detail": detail, "rpc_sent_at": rpc_sent_at,
-            "files": [str(f.relative_to(logdir)) for f in files], "bytes": sum(f.stat().st_size for f in files)}
+            "files": [str(f.path) for f in files], "bytes": sum(f.size for f in files)}
 
 
-def _traces(logdir: Path) -> list[Path]:
-    return sorted(logdir.glob("plugins/profile/*/*.xplane.pb"))
+class Trace(NamedTuple):
+    path: Path  # relative to the capture's directory
+    size: int
+    empty: bool = False  # no training events (an idle process): left out, and deleted if no trace has any
 
 
-def _drop(files: list[Path]) -> None:
-    for f in files:
-        f.unlink(missing_ok=True)
+def _server_traces(logdir: Path, limit: int) -> list[Trace]:
+    """The traces xprof's client wrote (``plugins/profile/<run>/*.xplane.pb``), each opened from its directory's
+    descriptor, never through a link, and read only if it is a regular file (at most ``limit`` bytes: a larger
+    one is a trace, and the analysis says it is too large). In server mode the capture's directory is writable
+    by the training processes' group (``captures.dir_mode``): a member could put a link there, to a file that
+    would be deleted as an empty trace or to /dev/zero, read without end."""
+    found = []
+    with contextlib.ExitStack() as opened:
+        def open_dir(name: str | Path, parent: int | None) -> int:
+            fd = os.open(name, _DIR, dir_fd=parent)
+            opened.callback(os.close, fd)
+            return fd
+
         try:
-            f.parent.rmdir()
+            profile = open_dir("profile", open_dir("plugins", open_dir(logdir, None)))
         except OSError:
-            pass
+            return []
+        for run in sorted(os.listdir(profile)):
+            try:
+                run_fd = open_dir(run, profile)
+            except OSError:  # a link, or not a directory: not the client's
+                continue
+            for name in sorted(os.listdir(run_fd)):
+                read = _read_regular(run_fd, name, limit) if name.endswith(".xplane.pb") else None
+                if read is not None:
+                    data, size = read
+                    found.append(Trace(Path("plugins", "profile", run, name), size,
+                                       len(data) <= limit and _is_empty(data)))
+    return found
+
+
+def _read_regular(dir_fd: int, name: str, limit: int) -> tuple[bytes, int] | None:
+    """(up to ``limit`` + 1 bytes, its size) of a regular file in the directory ``dir_fd``; None for anything
+    else (a link is not opened, a FIFO not waited on)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        return (f.read(limit + 1), st.st_size) if stat.S_ISREG(st.st_mode) else None
+
+
+def _drop(logdir: Path, traces: list[Trace]) -> None:
+    """Delete empty traces and their run directory if nothing else is left in it, from descriptors (an entry
+    is removed, never followed)."""
+    for trace in traces:
+        with contextlib.suppress(OSError), contextlib.ExitStack() as opened:
+            fd = None
+            for part in (logdir, *trace.path.parts[:-2]):
+                fd = os.open(part, _DIR, dir_fd=fd)
+                opened.callback(os.close, fd)
+            run = os.open(trace.path.parts[-2], _DIR, dir_fd=fd)
+            opened.callback(os.close, run)
+            os.unlink(trace.path.name, dir_fd=run)
+            os.rmdir(trace.path.parts[-2], dir_fd=fd)
 
 
 class ClientCrashed(Exception):
@@ -167,39 +220,39 @@ def capture_server_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]
     except ClientCrashed as exc:
         error, crashed = None, str(exc)
     elapsed = time.time() - started
-    files = _traces(logdir)
-    real = [f for f in files if not _is_empty(f.read_bytes())]
+    files = _server_traces(logdir, request["max_trace_bytes"])
+    real = [f for f in files if not f.empty]
     died = [t for t in answering if not _probe(t)] if len(real) < len(targets) else []
     if died:
         gone = f"{', '.join(died)}: {_REASON_WORDS['died']}"
         reason = "partial" if real else "died"
         detail = f"{len(real)} of {len(targets)} workers traced; {gone}" if real else gone
-        return {**_result("failed", reason, detail, logdir, started, real), "died": died}
+        return {**_result("failed", reason, detail, started, real), "died": died}
     if real:
         status, reason = ("done", None) if len(real) >= len(targets) else ("failed", "partial")
         detail = f"{len(real)} trace file(s)" + ("" if status == "done" else f" for {len(targets)} targets")
-        return _result(status, reason, detail, logdir, started, real)
+        return _result(status, reason, detail, started, real)
     if files:
-        _drop(files)
+        _drop(logdir, files)
         return _result("failed", "empty_trace", "the profiler server collected no events: was the process "
-                       "idle (no training steps) during the capture?", logdir, started)
+                       "idle (no training steps) during the capture?", started)
     closed = [t for t in targets if not _probe(t)]
     if closed:
         return _result("failed", "no_server", f"nothing listens at {', '.join(closed)}: the training process "
-                       "has no profiler server (or exited)", logdir, started)
+                       "has no profiler server (or exited)", started)
     if crashed and not real:
         return _result("failed", "not_a_profiler", f"{', '.join(targets)}: {_REASON_WORDS['not_a_profiler']} "
-                       f"(TensorFlow's profiler client died of {crashed} on the answer)", logdir, started)
+                       f"(TensorFlow's profiler client died of {crashed} on the answer)", started)
     strangers = [t for t in targets if not _speaks_grpc(t)]
     if strangers:
         return _result("failed", "not_a_profiler", "; ".join(f"{t}: {_REASON_WORDS['not_a_profiler']} (it does not "
-                                                            "speak gRPC)" for t in strangers), logdir, started)
+                                                            "speak gRPC)" for t in strangers), started)
     if elapsed < max(2.0, request["duration_ms"] / 1000 / 2):
         return _result("failed", "busy", "the profiler server refused at once: another profiling session is "
                        "probably active in that process (TensorFlow allows one at a time: a Keras TensorBoard "
-                       "callback with profile_batch, or another capture)", logdir, started)
+                       "callback with profile_batch, or another capture)", started)
     return _result("failed", "not_a_profiler", f"the port is open but no trace came back in {elapsed:.0f}s: "
-                   f"is it a TensorFlow profiler server? (client said: {error})", logdir, started)
+                   f"is it a TensorFlow profiler server? (client said: {error})", started)
 
 
 # ---- agent mode: ProfileRequest with emit_xspace over gRPC ----
@@ -307,7 +360,7 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
         started = time.time()
         answers = each(lambda t: _profile_one(t, profile_request(request, t.rpartition(":")[0], session, start_ns),
                                               deadline, request["max_trace_bytes"]))
-    files: list[Path] = []
+    files: list[Trace] = []
     failures = []
     for target, (outcome, data) in zip(targets, answers, strict=True):
         if outcome != "ok":
@@ -315,19 +368,18 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
             continue
         host, _, port = target.rpartition(":")
         name = re.sub(r"[^A-Za-z0-9.-]", "_", host.strip("[]")) + f"_{port}.xplane.pb"
-        path = logdir / "plugins" / "profile" / session / name
-        _write_new(path, data)  # type: ignore[arg-type]
-        files.append(path)
+        path = Path("plugins", "profile", session, name)
+        _write_new(logdir / path, data)  # type: ignore[arg-type]
+        files.append(Trace(path, len(data)))  # type: ignore[arg-type]
     if not failures:
         window = f"one window from {start_ns / 1e9:.3f}" if start_ns else "started at once"
-        return _result("done", None, f"{len(files)} trace file(s), {window}", logdir,
-                       started, files)
+        return _result("done", None, f"{len(files)} trace file(s), {window}", started, files)
     reason = failures[0][0] if len(failures) == len(targets) else "partial"
     detail = "; ".join(str(d) for _, d in failures)
     if reason == "partial":
         detail = f"{len(files)} of {len(targets)} workers traced; {detail}"
     died = [t for t, (outcome, _) in zip(targets, answers, strict=True) if outcome == "died"]
-    return {**_result("failed", reason, detail, logdir, started, files), "died": died}
+    return {**_result("failed", reason, detail, started, files), "died": died}
 
 
 def start_lead(connect_s: list[float | None]) -> float:

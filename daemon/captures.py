@@ -126,6 +126,8 @@ class CaptureService:
             self.store.save(record)
         except OSError as exc:
             self.policy.release(admission, refund=True)
+            if record.directory:  # a directory without its record: retention would never see it (a full disk)
+                self.store.delete(record)
             raise StorageError(f"cannot create the capture's directory or record: {exc}") from None
         with self._lock:
             self._records[record.id] = record
@@ -181,7 +183,9 @@ class CaptureService:
 
     def _capture(self, record: CaptureRecord, request: dict[str, Any], admission: Admission,
                  before: HostLoad | None = None) -> None:
-        timeout = self.settings().timeout + record.duration_ms / 1000
+        # counted from the trace's start: a delay (captures.delay, options.delay_ms) or a job-wide capture's common
+        # instant (start_at_ns) comes first, and the worker was killed before it began
+        timeout = self.settings().timeout + record.duration_ms / 1000 + request.get("delay_ms", 0) / 1000
         window = self._host(lambda host: host.open(record.job))
         try:
             outcome = self.capture_workers.run(CAPTURE_WORKER, [], json.dumps(request), timeout)

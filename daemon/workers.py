@@ -84,6 +84,7 @@ class SpareState:
 
 SPARE_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 15.0, 60.0)  # pause before a new spare, by consecutive quick exits
 SPARE_QUICK_EXIT_S = 10.0  # a spare that lived less than this counts as failing to start
+SPARE_READY_S = 30.0  # a spare not ready this long after it started is stuck (an import that hangs): replaced
 
 
 class WorkerPool:
@@ -98,6 +99,7 @@ class WorkerPool:
         self._stopping = threading.Event()
         self._spare: subprocess.Popen | None = None
         self._spare_born = 0.0
+        self._spare_taken = False  # a request took the spare since the keeper last looked
         self._ready_pid: int | None = None  # the latest pre-started worker that said it is ready
         self._wake = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -202,9 +204,14 @@ class WorkerPool:
         return Outcome(outcome.status, outcome.result, outcome.detail, pid=proc.pid, prestarted=prestarted)
 
     def _take_spare(self) -> subprocess.Popen | None:
-        """The waiting pre-started worker, if one is alive; the keeper starts the next one at once."""
+        """The waiting pre-started worker if it is alive and said it is ready (one still starting may be stuck
+        in an import: the keeper replaces it past SPARE_READY_S, and a request meanwhile gets a worker of its
+        own); the keeper starts the next one at once."""
         with self._lock:
-            spare, self._spare = self._spare, None
+            spare = self._spare
+            if spare is not None and self._ready_pid != spare.pid:
+                return None
+            self._spare, self._spare_taken = None, spare is not None
         self._wake.set()
         if spare is not None and spare.poll() is not None:  # died just now: the keeper did not see it yet
             self._spare_exited(spare)
@@ -226,6 +233,24 @@ class WorkerPool:
         while not self._stopping.is_set():
             with self._lock:
                 spare = self._spare
+                if self._spare_taken or (spare is not None and self._ready_pid == spare.pid):
+                    quick_exits = 0  # it was taken, or it started: the next one waits for nothing
+                    self._spare_taken = False
+                stuck = spare is not None and self._ready_pid != spare.pid \
+                    and time.monotonic() - self._spare_born > SPARE_READY_S
+                if stuck:
+                    self._spare = None
+            if stuck and spare is not None:
+                _kill_group(spare)
+                spare.wait()
+                with self._lock:
+                    self._running.discard(spare)
+                    self._idle_exits += 1
+                    self._last_exit = (f"the pre-started {self.name} worker (pid {spare.pid}) was not ready "
+                                       f"{SPARE_READY_S:.0f}s after it started; it was killed and a new one started")
+                log.warning("%s", self._last_exit)
+                quick_exits += 1
+                spare = None
             if spare is not None and spare.poll() is not None:
                 with self._lock:
                     idle = self._spare is spare
@@ -254,7 +279,10 @@ class WorkerPool:
                 if self._stopping.is_set():  # stop() may have run between the spawn and the lock
                     _kill_group(spare)
                     break
-            self._wake.wait()
+            with self._lock:
+                waiting = self._spare is not None and self._ready_pid != self._spare.pid
+                left = self._spare_born + SPARE_READY_S - time.monotonic()
+            self._wake.wait(max(left, 0.1) if waiting else None)  # a spare still starting: till its deadline
             self._wake.clear()
 
     def _watch(self, proc: subprocess.Popen, ready_fd: int) -> None:
@@ -267,6 +295,7 @@ class WorkerPool:
         if ready:
             with self._lock:
                 self._ready_pid = proc.pid
+            self._wake.set()  # the keeper stops counting its start
         proc.wait()
         self._wake.set()
 

@@ -12,6 +12,7 @@ import socket
 
 import psutil
 import pytest
+from fake_profiler import FakeProfiler
 
 from tfprofd.exporter.hook import Reporter
 
@@ -129,3 +130,75 @@ def test_the_start_lead_is_none_for_one_target_and_follows_the_slowest_connectio
     assert start_lead([0.01, 2.0]) == MAX_LEAD_S  # bounded
     assert start_lead([0.01, None]) == pytest.approx(0.02)  # one did not connect: its call fails anyway
     assert start_lead([None, None]) == MAX_LEAD_S
+
+
+_STOP_WHEN_FLAGGED = """
+import os, signal, sys
+if "tfprofd.daemon.capture_worker" in sys.orig_argv and os.path.exists({flag!r}):
+    os.kill(os.getpid(), signal.SIGSTOP)  # an import that hangs: this worker never says it is ready
+"""
+
+
+def test_a_waiting_worker_that_never_gets_ready_takes_no_capture_and_is_replaced(tmp_path):
+    """A pre-started worker stuck before it was ready was kept for good, and the next capture was handed to it
+    (and ended at its timeout, blaming the profiler server)."""
+    flag, hooks = tmp_path / "hang", tmp_path / "site"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(_STOP_WHEN_FLAGGED.format(flag=str(flag)))
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(16)
+    agent = AgentProcess(tmp_path, args=["--captures.timeout", "5s", "--captures.duration", "500ms",
+                                         "--captures.baseline", "false", "--captures.analyze", "false"],
+                         env={"PYTHONPATH": os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")])}).start()
+    reporter = Reporter(job="stuck", profiler=False, addr=f"127.0.0.1:{agent.hook_port}")
+    reporter.profiler_address = f"127.0.0.1:{listening.getsockname()[1]}"
+    reporter.phase = "train"
+    reporter.start()
+    try:
+        wait_for(lambda: job_reporting(agent, "stuck"), 20, message="the job to report")
+        first = spare(agent)
+        flag.touch()  # from now on, every worker hangs before it is ready
+        os.kill(first.pid, signal.SIGKILL)
+        hung = wait_for(lambda: (found := workers(agent)) and found[0].pid != first.pid
+                        and found[0].status() == psutil.STATUS_STOPPED and found[0], 30, message="a hung spare")
+        status, answer = agent.call("POST", "/captures", {"job": "stuck"})
+        assert status == 202, answer
+        wait_for(lambda: f"capture {answer['id']}: worker pid" in agent.log(), 30, message="the capture's worker")
+        assert f"worker pid {hung.pid}" not in agent.log() and "started on request" in agent.log()
+        flag.unlink()
+        health = wait_for(lambda: (h := capture_health(agent))["ready"] and h["pid"] != hung.pid and h, 60,
+                          message="the stuck worker replaced by a ready one")
+        assert f"(pid {hung.pid}) was not ready 30s after it started" in health["last_exit"], health
+        assert not psutil.pid_exists(hung.pid) or psutil.Process(hung.pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        reporter.close()
+        agent.stop()
+        listening.close()
+
+
+def test_a_capture_that_starts_later_is_not_killed_before_its_trace(tmp_path):
+    """captures.timeout counts from the trace's start: a delay (or a job-wide capture's instant ahead) comes
+    first. With a 5 s timeout and an 8 s delay the worker was killed before its trace began, and the record
+    blamed the profiler server."""
+    profiler = FakeProfiler()
+    agent = AgentProcess(tmp_path, args=["--captures.timeout", "5s", "--captures.delay", "8s",
+                                         "--captures.duration", "500ms", "--captures.baseline", "false",
+                                         "--captures.analyze", "false"]).start()
+    reporter = Reporter(job="later", profiler=False, addr=f"127.0.0.1:{agent.hook_port}")
+    reporter.profiler_address = profiler.address
+    reporter.phase = "train"
+    reporter.start()
+    try:
+        wait_for(lambda: job_reporting(agent, "later"), 20, message="the job to report")
+        status, answer = agent.call("POST", "/captures", {"job": "later"})
+        assert status == 202, answer
+        record = wait_for(lambda: (r := agent.call("GET", f"/captures/{answer['id']}")[1])["status"] != "running"
+                          and r, 60, message="the capture to end")
+        assert (record["status"], record["reason"]) == ("done", None), record
+        [request] = profiler.requests
+        assert request.opts.start_timestamp_ns / 1e9 - record["requested_at"] >= 7.5  # it did start 8 s later
+    finally:
+        reporter.close()
+        agent.stop()
+        profiler.stop()

@@ -200,6 +200,7 @@ def test_no_space_for_the_record_is_a_storage_error_that_frees_the_process(tmp_p
     with pytest.raises(StorageError, match="No space left"):
         captures.request("manual")
     assert captures.policy.busy() == frozenset()
+    assert sorted(os.listdir(tmp_path / "captures")) == []  # no directory left that no record names
     monkeypatch.undo()
     assert captures.request("manual")  # the hourly budget was refunded, the process is free
 

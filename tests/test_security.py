@@ -321,6 +321,45 @@ def _store_with_a_record(state: Path):
     return store, record
 
 
+_SERVER_MODE_CAPTURE = """
+import json, sys
+from pathlib import Path
+from tfprofd.daemon.capture_worker import capture_server_mode
+request = {"targets": ["127.0.0.1:1"], "host_tracer_level": 2, "device_tracer_level": 1, "python_tracer_level": 0,
+           "delay_ms": 0, "duration_ms": 100, "max_trace_bytes": 1 << 20}
+print(json.dumps(capture_server_mode(request, Path(sys.argv[1]))))
+"""
+
+
+def test_links_planted_in_a_server_mode_capture_are_neither_followed_nor_deleted_through(tmp_path):
+    """In server mode the capture's directory is the training processes' group's to write (captures.dir_mode):
+    a member plants links where xprof's client writes traces. The worker read, judged empty and deleted a
+    trace through them (and would read /dev/zero without end); now it opens nothing through a link and
+    nothing that is not a regular file, and deletes no entry it did not find there."""
+    victim = tmp_path / "elsewhere"
+    (victim / "profile" / "run").mkdir(parents=True)
+    (victim / "profile" / "run" / "someone_elses.xplane.pb").write_bytes(b"not a trace of this capture")
+    outside = tmp_path / "outside.xplane.pb"
+    outside.write_bytes(b"another file outside the capture")
+    linked_dir, linked_files = tmp_path / "capture-1", tmp_path / "capture-2"
+    linked_dir.mkdir()
+    (linked_dir / "plugins").symlink_to(victim)  # the whole tree under a link
+    run = linked_files / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    (run / "planted.xplane.pb").symlink_to(outside)  # a trace file that is a link
+    os.mkfifo(run / "fifo.xplane.pb")  # opened without O_NONBLOCK, a read waits for a writer for ever
+    for logdir in (linked_dir, linked_files):
+        done = subprocess.run([sys.executable, "-c", _SERVER_MODE_CAPTURE, str(logdir)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        result = json.loads(done.stdout.splitlines()[-1])
+        assert (result["reason"], result["files"]) == ("no_server", []), result
+    assert sorted(str(p.relative_to(victim)) for p in victim.rglob("*")) == [
+        "profile", "profile/run", "profile/run/someone_elses.xplane.pb"]
+    assert outside.read_bytes() == b"another file outside the capture"
+    assert (run / "planted.xplane.pb").is_symlink() and stat.S_ISFIFO((run / "fifo.xplane.pb").lstat().st_mode)
+
+
 def test_retention_refuses_a_capture_directory_swapped_for_a_link(tmp_path):
     state, victim = tmp_path / "state", tmp_path / "victim"
     state.mkdir()
