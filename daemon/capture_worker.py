@@ -134,19 +134,26 @@ def _server_traces(logdir: Path, limit: int) -> list[Trace]:
 
         try:
             profile = open_dir("profile", open_dir("plugins", open_dir(logdir, None)))
+            runs = sorted(os.listdir(profile))
         except OSError:
             return []
-        for run in sorted(os.listdir(profile)):
-            try:
-                run_fd = open_dir(run, profile)
+        for run in runs:
+            try:  # one run's directory open at a time: a group member may make thousands
+                run_fd = os.open(run, _DIR, dir_fd=profile)
             except OSError:  # a link, or not a directory: not the client's
                 continue
-            for name in sorted(os.listdir(run_fd)):
-                read = _read_regular(run_fd, name, limit) if name.endswith(".xplane.pb") else None
-                if read is not None:
-                    data, size = read
-                    found.append(Trace(Path("plugins", "profile", run, name), size,
-                                       len(data) <= limit and _is_empty(data)))
+            try:
+                names = sorted(os.listdir(run_fd))
+                for name in names:
+                    read = _read_regular(run_fd, name, limit) if name.endswith(".xplane.pb") else None
+                    if read is not None:
+                        data, size = read
+                        found.append(Trace(Path("plugins", "profile", run, name), size,
+                                           len(data) <= limit and _is_empty(data)))
+            except OSError:
+                continue
+            finally:
+                os.close(run_fd)
     return found
 
 

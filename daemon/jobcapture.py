@@ -504,7 +504,7 @@ class JobCaptures:
                        f"{outbound.said(answer.get('detail'))}")
                 return workers, why
             if time.time() > deadline:
-                return [], f"capture {capture_id} still {answer.get('status')} at the deadline"
+                return [], f"capture {capture_id} still {outbound.said(answer.get('status'), 100)} at the deadline"
             time.sleep(POLL_S)
 
     # ---- records ----

@@ -34,8 +34,9 @@ class Answer(NamedTuple):
 
 
 class _Deadline:
-    """Cuts the connection's socket once ``seconds`` have passed (a blocked read then returns at once); ``close``
-    stops it and closes the connection and its response, so a cut never reaches a socket closed meanwhile."""
+    """Cuts the connection's socket ``seconds`` after it connected (a blocked read then returns at once);
+    ``close`` stops it and closes the connection and its response, so a cut never reaches a socket closed
+    meanwhile."""
 
     def __init__(self, connection: http.client.HTTPConnection, seconds: float):
         self._connection = connection
@@ -46,11 +47,12 @@ class _Deadline:
         self.passed = False
         self._timer = threading.Timer(seconds, self._cut)
         self._timer.daemon = True
-        self._timer.start()
 
     def watch(self, sock: socket.socket | None) -> None:
+        """Start counting, on the connected socket."""
         with self._lock:
             self._socket = sock
+        self._timer.start()
 
     def _cut(self) -> None:
         with self._lock:
@@ -70,7 +72,8 @@ class _Deadline:
 
 def request(url: str, *, method: str = "GET", body: bytes | None = None, headers: Mapping[str, str] | None = None,
             timeout: float, max_bytes: int) -> Answer:
-    """One request and its answer, all of it within ``timeout`` seconds. Raises OutboundError."""
+    """One request and its answer, all of the answer within ``timeout`` seconds of the connection. Raises
+    OutboundError."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise OutboundError(f"not an http(s) URL: {url!r}")
@@ -83,10 +86,8 @@ def request(url: str, *, method: str = "GET", body: bytes | None = None, headers
     connection = kind(parts.hostname, port, timeout=timeout)
     deadline = _Deadline(connection, timeout)
     try:
-        connection.connect()
-        deadline.watch(connection.sock)
-        if deadline.passed:  # it came while connecting: there was no socket to cut then
-            raise TimeoutError
+        connection.connect()  # each address a name resolves to gets the timeout (one that drops packets, then one
+        deadline.watch(connection.sock)  # that answers: as urllib did); the answer then gets it all
         target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
         connection.request(method, target, body=body, headers=dict(headers or {}))
         response = deadline.response = connection.getresponse()

@@ -211,7 +211,8 @@ class WorkerPool:
             spare = self._spare
             if spare is not None and self._ready_pid != spare.pid:
                 return None
-            self._spare, self._spare_taken = None, spare is not None
+            self._spare = None
+            self._spare_taken |= spare is not None
         self._wake.set()
         if spare is not None and spare.poll() is not None:  # died just now: the keeper did not see it yet
             self._spare_exited(spare)
@@ -233,8 +234,8 @@ class WorkerPool:
         while not self._stopping.is_set():
             with self._lock:
                 spare = self._spare
-                if self._spare_taken or (spare is not None and self._ready_pid == spare.pid):
-                    quick_exits = 0  # it was taken, or it started: the next one waits for nothing
+                if self._spare_taken:
+                    quick_exits = 0  # a request took it: the next one waits for nothing
                     self._spare_taken = False
                 stuck = spare is not None and self._ready_pid != spare.pid \
                     and time.monotonic() - self._spare_born > SPARE_READY_S

@@ -6,9 +6,11 @@ TensorFlow needed, and every capture ends at the agent's timeout with its worker
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -21,25 +23,39 @@ from helpers import AgentProcess, http, job_reporting, metric_value, wait_for
 WORKER = "tfprofd.daemon.capture_worker"
 
 
-@pytest.fixture
-def rig(tmp_path):
-    """An agent with a 5 s capture timeout (the least allowed) and a job whose profiler accepts, never answers."""
-    stuck = socket.socket()
-    stuck.bind(("127.0.0.1", 0))
-    stuck.listen(16)
+@contextlib.contextmanager
+def job_agent(tmp_path, job: str, profiler: str, args: tuple[str, ...] = (),
+              env: dict[str, str] | None = None) -> Iterator[AgentProcess]:
+    """An agent with a 5 s capture timeout (the least allowed) and a job ``job`` whose profiler is at ``profiler``."""
     agent = AgentProcess(tmp_path, args=["--captures.timeout", "5s", "--captures.duration", "500ms",
-                                         "--captures.baseline", "false", "--captures.analyze", "false"]).start()
-    reporter = Reporter(job="stuck", profiler=False, addr=f"127.0.0.1:{agent.hook_port}")
-    reporter.profiler_address = f"127.0.0.1:{stuck.getsockname()[1]}"
+                                         "--captures.baseline", "false", "--captures.analyze", "false", *args],
+                         env=env).start()
+    reporter = Reporter(job=job, profiler=False, addr=f"127.0.0.1:{agent.hook_port}")
+    reporter.profiler_address = profiler
     reporter.phase = "train"
     reporter.start()
     try:
-        wait_for(lambda: job_reporting(agent, "stuck"), 20, message="the job to report")
+        wait_for(lambda: job_reporting(agent, job), 20, message="the job to report")
         yield agent
     finally:
         reporter.close()
         agent.stop()
-        stuck.close()
+
+
+@contextlib.contextmanager
+def stuck_profiler() -> Iterator[str]:
+    """The address of a profiler server that accepts connections and never answers."""
+    with socket.socket() as stuck:
+        stuck.bind(("127.0.0.1", 0))
+        stuck.listen(16)
+        yield f"127.0.0.1:{stuck.getsockname()[1]}"
+
+
+@pytest.fixture
+def rig(tmp_path):
+    """An agent whose job's profiler accepts and never answers: every capture ends at the timeout."""
+    with stuck_profiler() as profiler, job_agent(tmp_path, "stuck", profiler) as agent:
+        yield agent
 
 
 def workers(agent: AgentProcess) -> list[psutil.Process]:
@@ -145,18 +161,8 @@ def test_a_waiting_worker_that_never_gets_ready_takes_no_capture_and_is_replaced
     flag, hooks = tmp_path / "hang", tmp_path / "site"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(_STOP_WHEN_FLAGGED.format(flag=str(flag)))
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    listening.listen(16)
-    agent = AgentProcess(tmp_path, args=["--captures.timeout", "5s", "--captures.duration", "500ms",
-                                         "--captures.baseline", "false", "--captures.analyze", "false"],
-                         env={"PYTHONPATH": os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")])}).start()
-    reporter = Reporter(job="stuck", profiler=False, addr=f"127.0.0.1:{agent.hook_port}")
-    reporter.profiler_address = f"127.0.0.1:{listening.getsockname()[1]}"
-    reporter.phase = "train"
-    reporter.start()
-    try:
-        wait_for(lambda: job_reporting(agent, "stuck"), 20, message="the job to report")
+    env = {"PYTHONPATH": os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")])}
+    with stuck_profiler() as profiler, job_agent(tmp_path, "stuck", profiler, env=env) as agent:
         first = spare(agent)
         flag.touch()  # from now on, every worker hangs before it is ready
         os.kill(first.pid, signal.SIGKILL)
@@ -171,10 +177,6 @@ def test_a_waiting_worker_that_never_gets_ready_takes_no_capture_and_is_replaced
                           message="the stuck worker replaced by a ready one")
         assert f"(pid {hung.pid}) was not ready 30s after it started" in health["last_exit"], health
         assert not psutil.pid_exists(hung.pid) or psutil.Process(hung.pid).status() == psutil.STATUS_ZOMBIE
-    finally:
-        reporter.close()
-        agent.stop()
-        listening.close()
 
 
 def test_a_capture_that_starts_later_is_not_killed_before_its_trace(tmp_path):
@@ -182,23 +184,14 @@ def test_a_capture_that_starts_later_is_not_killed_before_its_trace(tmp_path):
     first. With a 5 s timeout and an 8 s delay the worker was killed before its trace began, and the record
     blamed the profiler server."""
     profiler = FakeProfiler()
-    agent = AgentProcess(tmp_path, args=["--captures.timeout", "5s", "--captures.delay", "8s",
-                                         "--captures.duration", "500ms", "--captures.baseline", "false",
-                                         "--captures.analyze", "false"]).start()
-    reporter = Reporter(job="later", profiler=False, addr=f"127.0.0.1:{agent.hook_port}")
-    reporter.profiler_address = profiler.address
-    reporter.phase = "train"
-    reporter.start()
     try:
-        wait_for(lambda: job_reporting(agent, "later"), 20, message="the job to report")
-        status, answer = agent.call("POST", "/captures", {"job": "later"})
-        assert status == 202, answer
-        record = wait_for(lambda: (r := agent.call("GET", f"/captures/{answer['id']}")[1])["status"] != "running"
-                          and r, 60, message="the capture to end")
+        with job_agent(tmp_path, "later", profiler.address, ("--captures.delay", "8s")) as agent:
+            status, answer = agent.call("POST", "/captures", {"job": "later"})
+            assert status == 202, answer
+            record = wait_for(lambda: (r := agent.call("GET", f"/captures/{answer['id']}")[1])["status"]
+                              != "running" and r, 60, message="the capture to end")
         assert (record["status"], record["reason"]) == ("done", None), record
         [request] = profiler.requests
         assert request.opts.start_timestamp_ns / 1e9 - record["requested_at"] >= 7.5  # it did start 8 s later
     finally:
-        reporter.close()
-        agent.stop()
         profiler.stop()

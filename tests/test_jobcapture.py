@@ -61,6 +61,19 @@ def job_record(agent: AgentProcess, record_id: str) -> dict:
     return wait_for(final, 60, 0.2, message=f"job record {record_id}")
 
 
+def partial_failures(agent: AgentProcess, traced: list[str]) -> dict[str, str]:
+    """Ask ``agent`` for a job-wide capture of "ring"; the record must end partial with ``traced`` workers: its
+    failed peers, with why."""
+    status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
+    assert status == 202, answer
+    record = job_record(agent, answer["id"])
+    assert record["status"] == "partial", record
+    assert [w["worker"] for w in record["workers"]] == traced
+    why = {f["peer"]: f["why"] for f in record["failed"]}
+    assert all(name in record["detail"] for name in why)
+    return why
+
+
 def test_one_request_one_instant_one_record_with_every_worker_and_the_straggler(coordinator):
     peers = [fake([FakeWorker("worker-0", 10.0)]), fake([FakeWorker("worker-1", 10.4)]),
              fake([FakeWorker("worker-2", 16.0, input_wait_ms=7.0)])]
@@ -94,19 +107,13 @@ def test_faults_are_named_in_a_partial_record(coordinator):
     ended = fake([FakeWorker("worker-3")], outcome="died")
     down_port = free_port()
     agent = coordinator([good, other_token, late, ended], (f"127.0.0.1:{down_port}",))
-    status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
-    assert status == 202, answer
-    record = job_record(agent, answer["id"])
-    assert record["status"] == "partial", record
-    assert [w["worker"] for w in record["workers"]] == ["worker-0"]
-    why = {f["peer"]: f["why"] for f in record["failed"]}
+    why = partial_failures(agent, ["worker-0"])
     assert set(why) == {f"127.0.0.1:{p}" for p in (other_token.port, late.port, ended.port, down_port)}
     assert "unreachable" in why[f"127.0.0.1:{down_port}"]
     assert "refused the shared token (401)" in why[f"127.0.0.1:{other_token.port}"]
     assert "not asked in time" in why[f"127.0.0.1:{late.port}"]
     assert "died during the capture" in why[f"127.0.0.1:{ended.port}"]
     assert other_token.asked == []  # named before any capture was asked of it
-    assert all(name in record["detail"] for name in why)
 
 
 def test_a_forged_or_forwarded_job_wide_request_reaches_nobody(coordinator):
@@ -357,12 +364,7 @@ def test_peers_that_are_not_agents_fail_alone_and_the_token_goes_nowhere_else(co
     try:
         good = fake([FakeWorker("worker-0")])
         agent = coordinator([good], tuple(s.address for s in hostile.values()))
-        status, answer = http("POST", f"{agent.api}/captures", {"job": "ring", "scope": "job"}, token=TOKEN)
-        assert status == 202, answer
-        record = job_record(agent, answer["id"])
-        assert record["status"] == "partial", record
-        assert [w["worker"] for w in record["workers"]] == ["worker-0"]
-        why = {f["peer"]: f["why"] for f in record["failed"]}
+        why = partial_failures(agent, ["worker-0"])
         assert set(why) == {s.address for s in hostile.values()}, why
         redirected = why[hostile["redirect"].address]
         assert "a redirect to" in redirected and "not followed" in redirected

@@ -5,9 +5,11 @@ JSON is a named failure of that end, never an exception that escapes (a 500, a w
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ipaddress
 import json
 import re
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -108,4 +110,32 @@ def test_an_answer_is_read_up_to_its_bound_and_said_in_a_bounded_line(servers):
     assert status == 409 and len(body) == 1001
     line = outbound.said({"error": "x" * 4_000_000})
     assert len(line) < 400 and line.endswith("(4000000 characters)")
+
+
+
+def test_a_name_whose_first_address_drops_connections_reaches_the_next(servers, monkeypatch):
+    """A dual-stack name behind a firewall that drops one family: each address gets the timeout to connect
+    (as urllib gave it), and the deadline counts the answer from the connection that was made."""
+    live = servers(json_body(200, b'{"agent": "a"}'))
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(0)
+    filling = []
+    for _ in range(4):  # a full backlog: a further connection's SYN is dropped, its connect waits
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(blackhole.getsockname())
+        filling.append(s)
+    addresses = [blackhole.getsockname(), ("127.0.0.1", int(live.address.rpartition(":")[2]))]
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *args, **kw: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", a) for a in addresses] if host == "dual.test"
+        else real(host, *args, **kw))
+    try:
+        answer = outbound.request("http://dual.test:1/api/v1/peer", timeout=1.0, max_bytes=1000)
+        assert (answer.status, answer.body) == (200, b'{"agent": "a"}')
+    finally:
+        for s in (*filling, blackhole):
+            s.close()
 

@@ -360,6 +360,30 @@ def test_links_planted_in_a_server_mode_capture_are_neither_followed_nor_deleted
     assert (run / "planted.xplane.pb").is_symlink() and stat.S_ISFIFO((run / "fifo.xplane.pb").lstat().st_mode)
 
 
+_MANY_RUNS = """
+import lzma, os, resource, sys
+from pathlib import Path
+from tfprofd.daemon.capture_worker import _server_traces
+logdir = Path(sys.argv[1])
+profile = logdir / "plugins" / "profile"
+for i in range(300):
+    (profile / f"run-{i:03d}").mkdir(parents=True)
+(profile / "run-999" / "host_1.xplane.pb").parent.mkdir()
+(profile / "run-999" / "host_1.xplane.pb").write_bytes(lzma.decompress(Path(sys.argv[2]).read_bytes()))
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+print([(str(t.path), t.empty) for t in _server_traces(logdir, 1 << 30)])
+"""
+
+
+def test_a_capture_directory_with_thousands_of_run_directories_still_finds_its_trace(tmp_path):
+    """Each run directory stayed open until the scan ended: a group member's empty directories ran the worker
+    out of descriptors (EMFILE), and the capture failed with its trace lost."""
+    trace = FIXTURES / "traces" / "plain-baseline.xplane.pb.xz"
+    done = subprocess.run([sys.executable, "-c", _MANY_RUNS, str(tmp_path), str(trace)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[('plugins/profile/run-999/host_1.xplane.pb', False)]"
+
 def test_retention_refuses_a_capture_directory_swapped_for_a_link(tmp_path):
     state, victim = tmp_path / "state", tmp_path / "victim"
     state.mkdir()
