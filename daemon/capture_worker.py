@@ -144,16 +144,15 @@ def _server_traces(logdir: Path, limit: int) -> list[Trace]:
                 continue
             try:
                 names = sorted(os.listdir(run_fd))
-                for name in names:
-                    read = _read_regular(run_fd, name, limit) if name.endswith(".xplane.pb") else None
-                    if read is not None:
-                        data, size = read
-                        found.append(Trace(Path("plugins", "profile", run, name), size,
-                                           len(data) <= limit and _is_empty(data)))
             except OSError:
-                continue
-            finally:
-                os.close(run_fd)
+                names = []
+            for name in names:
+                read = _read_regular(run_fd, name, limit) if name.endswith(".xplane.pb") else None
+                if read is not None:
+                    data, size = read
+                    found.append(Trace(Path("plugins", "profile", run, name), size,
+                                       len(data) <= limit and _is_empty(data)))
+            os.close(run_fd)
     return found
 
 
@@ -164,9 +163,16 @@ def _read_regular(dir_fd: int, name: str, limit: int) -> tuple[bytes, int] | Non
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        return (f.read(limit + 1), st.st_size) if stat.S_ISREG(st.st_mode) else None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a directory opens too (and os.fdopen would refuse it, fd left open)
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit + 1), st.st_size
+    except OSError:  # a read error: not a trace this worker can read
+        return None
+    finally:
+        os.close(fd)
 
 
 def _drop(logdir: Path, traces: list[Trace]) -> None:

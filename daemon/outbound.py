@@ -58,8 +58,8 @@ class _Deadline:
         with self._lock:
             self.passed = True
             if not self._closed and self._socket is not None:
-                with contextlib.suppress(OSError):
-                    self._socket.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):  # the plain socket's: SSLSocket.shutdown drops the SSL object
+                    socket.socket.shutdown(self._socket, socket.SHUT_RDWR)  # under a read (AttributeError)
 
     def close(self) -> None:
         self._timer.cancel()
@@ -78,12 +78,12 @@ def request(url: str, *, method: str = "GET", body: bytes | None = None, headers
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise OutboundError(f"not an http(s) URL: {url!r}")
     try:
-        port = parts.port
-    except ValueError as exc:
-        raise OutboundError(f"bad port in {url!r}: {exc}") from None
+        port = parts.port or (443 if parts.scheme == "https" else 80)  # none: http.client reads an IPv6's last part
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = kind(parts.hostname, port, timeout=max(timeout, 0.05))
+    except (ValueError, http.client.HTTPException) as exc:  # a bad port, a host with spaces
+        raise OutboundError(f"not a URL that can be asked: {url!r}: {exc}") from None
     timeout = max(timeout, 0.05)
-    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    connection = kind(parts.hostname, port, timeout=timeout)
     deadline = _Deadline(connection, timeout)
     try:
         connection.connect()  # each address a name resolves to gets the timeout (one that drops packets, then one

@@ -212,11 +212,13 @@ class WorkerPool:
             if spare is not None and self._ready_pid != spare.pid:
                 return None
             self._spare = None
-            self._spare_taken |= spare is not None
         self._wake.set()
         if spare is not None and spare.poll() is not None:  # died just now: the keeper did not see it yet
             self._spare_exited(spare)
             return None
+        if spare is not None:
+            with self._lock:
+                self._spare_taken = True
         return spare
 
     def _keep_spare(self) -> None:

@@ -139,3 +139,13 @@ def test_a_name_whose_first_address_drops_connections_reaches_the_next(servers, 
         for s in (*filling, blackhole):
             s.close()
 
+
+
+@pytest.mark.parametrize("url", ["http://a b:9090/api/v1/query", "http://[fe80::abcd]/api/v1/query"])
+def test_a_url_that_cannot_be_asked_is_a_named_failure(url):
+    """http.client's InvalidURL escaped (a host with a space), and an IPv6 address without a port was asked at
+    host ':' (its last part read as the port)."""
+    with pytest.raises(outbound.OutboundError):
+        outbound.request(url, timeout=1.0, max_bytes=100)
+    with pytest.raises(DiscoveryFailed, match="Prometheus at"):
+        _finder(url.rsplit("/api/v1/query", 1)[0], timeout=1.0).find("ring")

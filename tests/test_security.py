@@ -368,7 +368,7 @@ logdir = Path(sys.argv[1])
 profile = logdir / "plugins" / "profile"
 for i in range(300):
     (profile / f"run-{i:03d}").mkdir(parents=True)
-(profile / "run-999" / "host_1.xplane.pb").parent.mkdir()
+(profile / "run-999" / "0.xplane.pb").mkdir(parents=True)  # a directory by a trace's name opens (O_RDONLY) too
 (profile / "run-999" / "host_1.xplane.pb").write_bytes(lzma.decompress(Path(sys.argv[2]).read_bytes()))
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 print([(str(t.path), t.empty) for t in _server_traces(logdir, 1 << 30)])
@@ -377,7 +377,8 @@ print([(str(t.path), t.empty) for t in _server_traces(logdir, 1 << 30)])
 
 def test_a_capture_directory_with_thousands_of_run_directories_still_finds_its_trace(tmp_path):
     """Each run directory stayed open until the scan ended: a group member's empty directories ran the worker
-    out of descriptors (EMFILE), and the capture failed with its trace lost."""
+    out of descriptors (EMFILE), and the capture failed with its trace lost; a directory named like a trace
+    leaked its descriptor and hid the traces after it."""
     trace = FIXTURES / "traces" / "plain-baseline.xplane.pb.xz"
     done = subprocess.run([sys.executable, "-c", _MANY_RUNS, str(tmp_path), str(trace)], capture_output=True,
                           text=True, timeout=120)
