@@ -212,13 +212,14 @@ class WorkerPool:
             if spare is not None and self._ready_pid != spare.pid:
                 return None
             self._spare = None
+        alive = spare is not None and spare.poll() is None
+        if alive:
+            with self._lock:
+                self._spare_taken = True  # before the keeper wakes: it starts the next one without its backoff
         self._wake.set()
-        if spare is not None and spare.poll() is not None:  # died just now: the keeper did not see it yet
+        if spare is not None and not alive:  # died just now: the keeper did not see it yet
             self._spare_exited(spare)
             return None
-        if spare is not None:
-            with self._lock:
-                self._spare_taken = True
         return spare
 
     def _keep_spare(self) -> None:
