@@ -78,8 +78,8 @@ def request(url: str, *, method: str = "GET", body: bytes | None = None, headers
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise OutboundError(f"not an http(s) URL: {url!r}")
     try:
-        port = parts.port if parts.port is not None else 443 if parts.scheme == "https" else 80  # http.client would
-        # read an IPv6 address's last part as the port
+        # always a port: without one, http.client reads an IPv6 address's last part as the port
+        port = parts.port if parts.port is not None else 443 if parts.scheme == "https" else 80
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         connection = kind(parts.hostname, port, timeout=max(timeout, 0.05))
     except (ValueError, http.client.HTTPException) as exc:  # a bad port, a host with spaces
