@@ -77,18 +77,20 @@ def request(url: str, *, method: str = "GET", body: bytes | None = None, headers
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise OutboundError(f"not an http(s) URL: {url!r}")
+    timeout = max(timeout, 0.05)
     try:
         # always a port: without one, http.client reads an IPv6 address's last part as the port
         port = parts.port if parts.port is not None else 443 if parts.scheme == "https" else 80
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        connection = kind(parts.hostname, port, timeout=max(timeout, 0.05))
+        connection = kind(parts.hostname, port, timeout=timeout)
     except (ValueError, http.client.HTTPException) as exc:  # a bad port, a host with spaces
         raise OutboundError(f"not a URL that can be asked: {url!r}: {exc}") from None
-    timeout = max(timeout, 0.05)
     deadline = _Deadline(connection, timeout)
     try:
-        connection.connect()  # each address a name resolves to gets the timeout (one that drops packets, then one
-        deadline.watch(connection.sock)  # that answers: as urllib did); the answer then gets it all
+        # each address a name resolves to gets the timeout to connect (one that drops packets, then one that
+        # answers, as urllib did); the answer then gets all of it
+        connection.connect()
+        deadline.watch(connection.sock)
         target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
         connection.request(method, target, body=body, headers=dict(headers or {}))
         response = deadline.response = connection.getresponse()

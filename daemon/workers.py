@@ -212,10 +212,8 @@ class WorkerPool:
             if spare is not None and self._ready_pid != spare.pid:
                 return None
             self._spare = None
-        alive = spare is not None and spare.poll() is None
-        if alive:
-            with self._lock:
-                self._spare_taken = True  # before the keeper wakes: it starts the next one without its backoff
+            alive = spare is not None and spare.poll() is None
+            self._spare_taken |= alive  # before the keeper wakes: it starts the next one without its backoff
         self._wake.set()
         if spare is not None and not alive:  # died just now: the keeper did not see it yet
             self._spare_exited(spare)
