@@ -50,7 +50,9 @@ bench: $(VENV)/.test system-deps
 # index, `run` only Python 3.10+ and the driver, so .gpu-check can be built here and run on a GPU machine.
 gpu-check:
 	$(PYTHON) bench/gpu_check.py build
+	$(PYTHON) bench/gpu_capture.py build
 	$(PYTHON) bench/gpu_check.py run
+	$(PYTHON) bench/gpu_capture.py run
 
 clean:
 	rm -rf $(VENV) .gpu-check tests/fakenvml/libnvidia-ml.so.1

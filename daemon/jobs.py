@@ -91,6 +91,11 @@ class JobRegistry:
             by_pid.setdefault(p.pid, []).append(p)
         return [(gpu, uuid, p) for gpu, uuid, pids in gpus for pid in sorted(pids) for p in by_pid.get(pid, ())]
 
+    def gpus_listed(self) -> bool:
+        """Whether NVML lists any GPU on this host (False where it cannot be read)."""
+        with self._lock:
+            return bool(self._gpus)
+
     def is_training(self, labels: dict[str, str]) -> bool:
         """Whether a job trains where a signal's series is: its job, its GPU, or anywhere on the host."""
         with self._lock:

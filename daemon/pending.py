@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import select
 import subprocess
 import threading
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     from .hostcontext import HostLoad
     from .policy import Admission
     from .records import CaptureRecord
+
+# The NVIDIA driver's control device: on every host where the driver is loaded, also where NVML cannot be read.
+NVIDIA_CONTROL = "/dev/nvidiactl"
 
 log = logging.getLogger("tfprofd.pending")
 
@@ -220,7 +224,12 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
     s = service.settings()
     record.context = {**(record.context or {}), "on_pending": True, "drop_at": entry.drop_at}
     ring = None
-    if s.snapshots and request["mode"] == "agent" and len(request["targets"]) == 1:
+    traces_gpu = request["device_tracer_level"] > 0 and (service.jobs.gpus_listed() or os.path.exists(NVIDIA_CONTROL))
+    if s.snapshots and traces_gpu:
+        record.context["mode_reason"] = "no snapshot ring on a GPU host: its session restarts kill GPU jobs"
+        log.info("capture %s: one capture at pending, no snapshot ring: a snapshot restarts the profiling session, "
+                 "and on a GPU that kills the job (README, Captures)", record.id)
+    elif s.snapshots and request["mode"] == "agent" and len(request["targets"]) == 1:
         ring = RingWorker(service.capture_workers, {
             **request, "interval": s.snapshot_interval, "keep": s.snapshot_keep, "max_bytes": s.snapshot_max_bytes,
             "rpc_timeout": 30.0, "min_s": request["duration_ms"] / 1000,

@@ -23,8 +23,10 @@ from tfprofd.daemon.policy import CapturePolicy
 from tfprofd.daemon.protos import profiler_pb2, xplane_pb2
 from tfprofd.daemon.records import RecordStore
 from tfprofd.daemon.rules import CLEARED, FIRING, PENDING, Condition, Engine, Rule, Transition
+from tfprofd.daemon.sampler import Snapshot as Sample
 from tfprofd.daemon.snapshot_worker import Ring, Snapshot
 from tfprofd.exporter.base import Clock
+from tfprofd.exporter.nvml import GpuProcesses
 
 from helpers import free_port, wait_for
 
@@ -139,6 +141,41 @@ def test_a_capture_taken_on_pending_is_kept_when_the_rule_fires(tmp_path, profil
         assert handler.count("StopContinuousProfiling") == 1
         assert record.started_at < record.requested_at + 5
     assert discarded(captures) == {}
+
+
+def nvml_lists_a_gpu(captures: CaptureService) -> None:
+    """The NVML collector's sample, as the registry gets it: one GPU, no process on it."""
+    captures.jobs.on_snapshot(Sample("nvml", time.time(), time.monotonic(), True, 0.0, {},
+                                     (GpuProcesses((("0", "GPU-0", frozenset()),)),), lambda: ()))
+
+
+@pytest.mark.parametrize("device_tracer_level", [1, 0])
+def test_a_pending_rule_on_a_gpu_host_takes_one_capture_and_arms_no_ring(tmp_path, device_tracer_level):
+    """On an H100, JAX's profiler server (TensorFlow's) failed CUPTI at the session a snapshot restarts, and the job
+    died of CUDA_ERROR_ILLEGAL_ADDRESS 4 s later (README, Captures). A ring is armed there only with the device
+    tracer off (which survived); otherwise one capture at pending, as for TensorFlow before 2.21."""
+    handler = FakeProfiler(continuous=True)
+    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        captures = service(tmp_path, f"127.0.0.1:{port}", device_tracer_level=device_tracer_level)
+        nvml_lists_a_gpu(captures)
+        on_transition(transition(PENDING), captures, True, 1.0, drop_at=time.time() - 3)
+        [record] = captures.list()
+        method = "Profile" if device_tracer_level else "GetSnapshot"
+        wait_for(lambda: handler.count(method) >= 1, 30, message=f"the capture at pending ({method})")
+        on_transition(transition(FIRING), captures, True, 1.0, None)
+        record = ended(captures, record.id)
+    finally:
+        server.stop(0)
+    assert record.status == "done", record
+    if device_tracer_level:
+        assert record.context["mode"] == "capture" and "GPU" in record.context["mode_reason"]
+        assert handler.count("StartContinuousProfiling") == handler.count("GetSnapshot") == 0
+        assert handler.count("Profile") == 1
+    else:
+        assert record.context["mode"] == "snapshots" and handler.count("StartContinuousProfiling") == 1
 
 
 def test_a_capture_taken_on_pending_is_discarded_and_counted_when_the_rule_clears(tmp_path, profiler):

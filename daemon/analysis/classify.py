@@ -125,14 +125,16 @@ def classify(w: WorkerAnalysis) -> Verdict:
                                        f"({ms.host_to_device:.1f} ms)")
         return Verdict("input", f"input-bound: {input_bound:.0%} of each {step:.1f} ms step waits for input "
                                 f"({ms.input_wait + ms.host_to_device:.1f} ms)")
-    gap_ms = (w.cycle_ms or step) - step  # per step, the time until the next one
+    gap = w.between_ms  # per step, the time until the next one
+    gap_ms = gap.between_steps_input + gap.between_steps_other if gap is not None else 0.0
     if r.between_steps is not None and r.between_steps >= BETWEEN_STEPS and gap_ms >= UNTRACED_HOST_MS:
         if r.between_steps_input >= 0.5:
             return Verdict("input", f"input-bound outside the step markers: {r.between_steps:.0%} of the time from "
                                     f"the first step to the last is spent between steps, {r.between_steps_input:.0%} "
                                     f"of it waiting for the next batch (steps take {step:.1f} ms)")
         return Verdict("host", f"{r.between_steps:.0%} of the time between the first and last step is spent between "
-                               f"steps (callbacks, post-processing; steps take {step:.1f} ms)",
+                               f"steps ({gap_ms:.1f} ms after each: callbacks, post-processing, input made in Python; "
+                               f"steps take {step:.1f} ms)",
                        GPU_PRIVATE_SET if w.launch is not None and w.launch.gpu_private else "")
     gpu_private = w.launch is not None and w.launch.gpu_private
     host_advice = GPU_PRIVATE_SET if gpu_private else ""

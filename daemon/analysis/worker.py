@@ -8,6 +8,7 @@ step.
 from __future__ import annotations
 
 import bisect
+import itertools
 import statistics
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from ..protos.xplane_pb2 import XSpace
 
 JUNK = ("", "dummy", "(null)", "None", "null")  # rows xprof fills with placeholders, not ops
+STRETCHED = 1.5  # xprof's mean step over the markers' mean: its steps span the time between the markers too
 
 
 def _junk(name: Any) -> bool:
@@ -122,6 +124,7 @@ def analyze_worker(trace: Path, verbose: bool = False, max_memory: int | None = 
     line, (overview, pipeline, op_stats, kernels, steps) = _read(trace, verbose, max_memory)
     if steps is None:
         steps = steps_from_table(pipeline)
+    steps = _within_markers(steps, line)
     per_marker = line.steps.per_marker  # xprof's steps are the markers: one execution of N steps each
     if per_marker > 1:
         steps = [{k: (v if k == "begin_ms" else v / per_marker) for k, v in s.items()} for s in steps]
@@ -149,6 +152,8 @@ def analyze_worker(trace: Path, verbose: bool = False, max_memory: int | None = 
         between = w.ratios.between_steps or 0.0
         cycle = w.step_time_ms.mean / (1 - between)  # a step and the time after it
         gap = cycle - w.step_time_ms.mean
+        if len(line.markers) >= 2:  # measured from the markers themselves, whatever xprof took as the step
+            cycle, gap = _cycle_and_gap_ms(line)
         w = replace(w, cycle_ms=cycle, between_ms=BetweenSteps(gap * w.ratios.between_steps_input,
                                                                gap * (1 - w.ratios.between_steps_input)))
     w = replace(w, evidence=evidence(count, _span_share(steps, line), line.capture_s), **_devices(line))
@@ -160,6 +165,38 @@ def analyze_worker(trace: Path, verbose: bool = False, max_memory: int | None = 
                     "from xprof's tables alone")
     return replace(w, bottleneck=verdict.kind, why=verdict.why, summary=summary, timeline_error=line.error,
                    recommendation=verdict.recommendation, xprof_differs=versus_xprof(w, verdict.kind))
+
+
+def _within_markers(steps: list[dict[str, float]], line: Timeline) -> list[dict[str, float]]:
+    """xprof's steps, each cut to its step marker where xprof stretched them over the time between markers.
+
+    On a GPU, xprof's step runs from the start of one step's device work to the next one's: a JAX job on an
+    H100 that makes each batch in NumPy between its 14 ms markers got steps of 650, 652 and 3.8 ms, the time
+    between steps counted once inside them (as 'all others') and again between the markers. Then each step is
+    its marker: xprof's device and input parts (scaled down if they overflow it), and the rest of it 'other'.
+    Steps xprof did not stretch (its steps are the markers, as on every CPU trace) are left as they are.
+    """
+    markers = line.markers
+    if len(markers) < 2 or len(steps) != len(markers):
+        return steps
+    marked = [(b - a) / 1e9 for a, b in markers]
+    if statistics.fmean(s["step_ms"] for s in steps) <= STRETCHED * statistics.fmean(marked):
+        return steps
+    out = []
+    for step, ms in zip(steps, marked, strict=True):
+        parts = {p: step[p] for p in PART_TYPES if p != "other"}
+        scale = min(1.0, ms / sum(parts.values())) if sum(parts.values()) > 0 else 1.0
+        parts = {p: v * scale for p, v in parts.items()}
+        out.append({**step, **parts, "step_ms": ms, "other": ms - sum(parts.values())})
+    return out
+
+
+def _cycle_and_gap_ms(line: Timeline) -> tuple[float, float]:
+    """Per step: from one marker's start to the next one's, and from one marker's end to the next one's start."""
+    markers, per_marker = line.markers, line.steps.per_marker
+    cycle = (markers[-1][0] - markers[0][0]) / 1e9 / (len(markers) - 1) / per_marker
+    gap = statistics.fmean(max(0, b[0] - a[1]) for a, b in itertools.pairwise(markers)) / 1e9 / per_marker
+    return cycle, gap
 
 
 Tables = tuple[Any, Any, Any, Any, list[dict[str, float]] | None]  # xprof's four tools, and its OpStats' steps
