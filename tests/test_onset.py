@@ -101,7 +101,8 @@ RULE = Rule("throughput_drop", "", (Condition("samples_per_second", below=1.0),)
 
 
 def service(tmp_path: Path, address: str, **settings) -> CaptureService:
-    base = {"analyze": False, "snapshot_interval": 0.5, "duration": 0.3, **settings}
+    # device tracer off: a ring is armed on any host, a GPU developer's too (tfprofd arms none where a GPU is)
+    base = {"analyze": False, "snapshot_interval": 0.5, "duration": 0.3, "device_tracer_level": 0, **settings}
     return CaptureService(lambda: CaptureSettings(**base), RecordStore(tmp_path),
                           CapturePolicy(Clock(), tmp_path / "alerts.json"), Registry(address), Clock())
 

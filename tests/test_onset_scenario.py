@@ -14,8 +14,10 @@ SLOW_AFTER, SLOW_FOR = 30.0, 20.0  # early: on a loaded host, CPU steps vary eno
 
 
 def test_a_transient_input_slowdown_is_traced_from_its_onset_and_named(tmp_path):
+    # device tracer off: continuous profiling is armed on a GPU developer's machine too (README, Captures)
     agent = AgentProcess(tmp_path, args=["--captures.baseline", "false", "--captures.snapshot-keep", "4",
-                                         "--captures.snapshot-interval", "2s"]).start()
+                                         "--captures.snapshot-interval", "2s",
+                                         "--captures.device-tracer-level", "0"]).start()
     log = tmp_path / "slow.log"
     healthy = [a for a in BASE if a not in ("--map-delay", "0.0002")]
     job = start_training(agent.hook_port, "--job", "onset", "--seconds", str(SLOW_AFTER + SLOW_FOR + 40), *healthy,
