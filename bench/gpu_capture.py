@@ -131,7 +131,7 @@ def run(seconds: float, duration_ms: int, out: Path | None, python: str) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SITE), *xprof_site(tmp)]), "PYTHONUNBUFFERED": "1"}
     env.pop("TFPROFD_CONFIG", None)
     log_path = tmp / "agent.log"
-    failed = False
+    failed = on_gpu = False
     with open(log_path, "wb") as log:
         agent = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
         job = None
@@ -155,6 +155,7 @@ def run(seconds: float, duration_ms: int, out: Path | None, python: str) -> int:
                 if not line:
                     raise SystemExit(f"the job ended before its {want} phase (exit {job.wait()})")
                 phase = json.loads(line)
+                on_gpu = phase["backend"] == "gpu"
                 print(f"phase {phase['phase']} on {phase['device']} ({phase['backend']})", flush=True)
                 time.sleep(min(3.0, seconds / 4))  # past the phase's first steps
                 record = capture(api_port, token, "gpu-check-jax", duration_ms,
@@ -173,6 +174,8 @@ def run(seconds: float, duration_ms: int, out: Path | None, python: str) -> int:
             print("every record (the rules' captures too):")
             for r in listed["captures"]:
                 workers = (r.get("analysis") or {}).get("workers", [])
+                ring = (r.get("context") or {}).get("mode") == "snapshots"
+                failed |= on_gpu and ring  # continuous profiling kills GPU jobs: never armed on a GPU host
                 print(f"  {r['id']} {r['trigger']} {r.get('rule') or ''} {r['status']} mode="
                       f"{(r.get('context') or {}).get('mode', 'capture')} "
                       f"{(r.get('context') or {}).get('mode_reason', '')} "
@@ -181,11 +184,16 @@ def run(seconds: float, duration_ms: int, out: Path | None, python: str) -> int:
             if job is not None and job.poll() is None:
                 job.kill()
             agent.terminate()
-            agent.wait(10)
+            try:
+                agent.wait(10)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
     warnings = [line for line in log_path.read_text().splitlines() if "level=warning" in line or "level=error" in line]
     print("agent warnings:" + ("\n  " + "\n  ".join(warnings) if warnings else " none"))
     if out is not None:
         (out / "capture-agent.log").write_text(log_path.read_text())
+    shutil.rmtree(tmp, ignore_errors=True)
     return 1 if failed else 0
 
 

@@ -224,12 +224,14 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
     s = service.settings()
     record.context = {**(record.context or {}), "on_pending": True, "drop_at": entry.drop_at}
     ring = None
-    traces_gpu = request["device_tracer_level"] > 0 and (service.jobs.gpus_listed() or os.path.exists(NVIDIA_CONTROL))
-    if s.snapshots and traces_gpu:
+    ringable = s.snapshots and request["mode"] == "agent" and len(request["targets"]) == 1
+    if ringable and request["device_tracer_level"] > 0 and (
+            service.jobs.gpus_listed() or os.path.exists(NVIDIA_CONTROL)):
+        ringable = False
         record.context["mode_reason"] = "no snapshot ring on a GPU host: its session restarts kill GPU jobs"
         log.info("capture %s: one capture at pending, no snapshot ring: a snapshot restarts the profiling session, "
                  "and on a GPU that kills the job (README, Captures)", record.id)
-    elif s.snapshots and request["mode"] == "agent" and len(request["targets"]) == 1:
+    if ringable:
         ring = RingWorker(service.capture_workers, {
             **request, "interval": s.snapshot_interval, "keep": s.snapshot_keep, "max_bytes": s.snapshot_max_bytes,
             "rpc_timeout": 30.0, "min_s": request["duration_ms"] / 1000,

@@ -101,6 +101,9 @@ def test_each_trace_is_named_with_its_numbers(logdirs, case: Case):
     assert result["step_time_ms"]["mean"] == pytest.approx(said_step, rel=0.01)  # the sentence says the record's
     assert result["steps"] == steps, result["steps_found"]
     assert result["evidence"]["sufficient"], result["evidence"]
+    # a step and the time after it: the step and what is between steps, nothing else (a straggler's measure)
+    between = sum(result["between_ms"].values())
+    assert result["cycle_ms"] == pytest.approx(result["step_time_ms"]["mean"] + between, rel=1e-9)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.source == "keras3_tensorboard"],

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tfprofd.daemon import pending
 from tfprofd.daemon.analysis import CaptureAnalysis
 from tfprofd.daemon.analysis.onset import drop_time, onset, split_at_drop
 from tfprofd.daemon.captures import CaptureService
@@ -150,18 +151,25 @@ def nvml_lists_a_gpu(captures: CaptureService) -> None:
                                      (GpuProcesses((("0", "GPU-0", frozenset()),)),), lambda: ()))
 
 
-@pytest.mark.parametrize("device_tracer_level", [1, 0])
-def test_a_pending_rule_on_a_gpu_host_takes_one_capture_and_arms_no_ring(tmp_path, device_tracer_level):
+@pytest.mark.parametrize(("device_tracer_level", "seen_by"), [(1, "nvml"), (0, "nvml"), (1, "driver")])
+def test_a_pending_rule_on_a_gpu_host_takes_one_capture_and_arms_no_ring(tmp_path, monkeypatch, device_tracer_level,
+                                                                          seen_by):
     """On an H100, JAX's profiler server (TensorFlow's) failed CUPTI at the session a snapshot restarts, and the job
     died of CUDA_ERROR_ILLEGAL_ADDRESS 4 s later (README, Captures). A ring is armed there only with the device
-    tracer off (which survived); otherwise one capture at pending, as for TensorFlow before 2.21."""
+    tracer off (which survived); otherwise one capture at pending, as for TensorFlow before 2.21. The GPU is
+    seen by NVML, or (NVML unreadable) by the driver's control device."""
     handler = FakeProfiler(continuous=True)
     server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
         captures = service(tmp_path, f"127.0.0.1:{port}", device_tracer_level=device_tracer_level)
-        nvml_lists_a_gpu(captures)
+        if seen_by == "nvml":
+            nvml_lists_a_gpu(captures)
+        else:
+            control = tmp_path / "nvidiactl"
+            control.touch()
+            monkeypatch.setattr(pending, "NVIDIA_CONTROL", str(control))
         on_transition(transition(PENDING), captures, True, 1.0, drop_at=time.time() - 3)
         [record] = captures.list()
         method = "Profile" if device_tracer_level else "GetSnapshot"

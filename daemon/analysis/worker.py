@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 
 JUNK = ("", "dummy", "(null)", "None", "null")  # rows xprof fills with placeholders, not ops
 STRETCHED = 1.5  # xprof's mean step over the markers' mean: its steps span the time between the markers too
+BEGIN_SLACK_PS = 1_000_000  # xprof's step begins (float ms) against the markers' (ps): 1 µs of rounding
 
 
 def _junk(name: Any) -> bool:
@@ -137,8 +138,8 @@ def analyze_worker(trace: Path, verbose: bool = False, max_memory: int | None = 
                        executions=len(steps) if per_marker > 1 else None, loops_hidden=line.loops,
                        steps_found=line.steps.found, steps_inferred=line.steps.source == "inferred",
                        ops=ops_per_step(op_stats, pipeline, kernels, line, count), copies_ms=dict(line.copies_ms))
-    if steps:
-        times = [s["step_ms"] for s in steps]
+    times = [s["step_ms"] for s in steps]
+    if times and statistics.fmean(times) > 0:  # steps of no length (markers with no duration) time nothing
         mean = statistics.fmean(times)
         breakdown_ms = StepParts(**{part: statistics.fmean(s[part] for s in steps) for part in PART_TYPES})
         if line.loops:
@@ -150,10 +151,13 @@ def analyze_worker(trace: Path, verbose: bool = False, max_memory: int | None = 
     w = replace(w, ratios=_ratios(w, steps, line))
     if w.step_time_ms is not None:
         between = w.ratios.between_steps or 0.0
-        cycle = w.step_time_ms.mean / (1 - between)  # a step and the time after it
-        gap = cycle - w.step_time_ms.mean
-        if len(line.markers) >= 2:  # measured from the markers themselves, whatever xprof took as the step
-            cycle, gap = _cycle_and_gap_ms(line)
+        mean = w.step_time_ms.mean
+        measured = _start_to_start_ms(steps, per_marker)  # the steps xprof kept, not the markers it left out
+        if measured is not None:  # a step and the time after it
+            cycle = max(mean, measured)
+        else:
+            cycle = mean / (1 - between) if between < 1 else mean
+        gap = cycle - mean
         w = replace(w, cycle_ms=cycle, between_ms=BetweenSteps(gap * w.ratios.between_steps_input,
                                                                gap * (1 - w.ratios.between_steps_input)))
     w = replace(w, evidence=evidence(count, _span_share(steps, line), line.capture_s), **_devices(line))
@@ -167,6 +171,22 @@ def analyze_worker(trace: Path, verbose: bool = False, max_memory: int | None = 
                    recommendation=verdict.recommendation, xprof_differs=versus_xprof(w, verdict.kind))
 
 
+def _marked(steps: list[dict[str, float]], line: Timeline) -> list[Interval] | None:
+    """The step marker each of xprof's steps begins in, in order (xprof leaves out the first and last markers
+    of a capture, and on a GPU begins a step where its device work does, inside its marker); None where a
+    step begins in no marker or in the one before it took, or the steps came without their begins."""
+    markers = line.markers
+    starts = [a for a, _ in markers]
+    found: list[int] = []
+    for step in steps:
+        at = step["begin_ms"] * 1e9
+        i = bisect.bisect_right(starts, at + BEGIN_SLACK_PS) - 1
+        if i < 0 or at > markers[i][1] + BEGIN_SLACK_PS or (found and i <= found[-1]):
+            return None
+        found.append(i)
+    return [markers[i] for i in found]
+
+
 def _within_markers(steps: list[dict[str, float]], line: Timeline) -> list[dict[str, float]]:
     """xprof's steps, each cut to its step marker where xprof stretched them over the time between markers.
 
@@ -176,27 +196,27 @@ def _within_markers(steps: list[dict[str, float]], line: Timeline) -> list[dict[
     its marker: xprof's device and input parts (scaled down if they overflow it), and the rest of it 'other'.
     Steps xprof did not stretch (its steps are the markers, as on every CPU trace) are left as they are.
     """
-    markers = line.markers
-    if len(markers) < 2 or len(steps) != len(markers):
+    marked = _marked(steps, line) if len(steps) >= 2 else None
+    if marked is None:
         return steps
-    marked = [(b - a) / 1e9 for a, b in markers]
-    if statistics.fmean(s["step_ms"] for s in steps) <= STRETCHED * statistics.fmean(marked):
+    durations = [(b - a) / 1e9 for a, b in marked]
+    if statistics.fmean(s["step_ms"] for s in steps) <= STRETCHED * statistics.fmean(durations):
         return steps
     out = []
-    for step, ms in zip(steps, marked, strict=True):
+    for step, (begin, _), ms in zip(steps, marked, durations, strict=True):
         parts = {p: step[p] for p in PART_TYPES if p != "other"}
         scale = min(1.0, ms / sum(parts.values())) if sum(parts.values()) > 0 else 1.0
         parts = {p: v * scale for p, v in parts.items()}
-        out.append({**step, **parts, "step_ms": ms, "other": ms - sum(parts.values())})
+        out.append({**step, **parts, "begin_ms": begin / 1e9, "step_ms": ms, "other": ms - sum(parts.values())})
     return out
 
 
-def _cycle_and_gap_ms(line: Timeline) -> tuple[float, float]:
-    """Per step: from one marker's start to the next one's, and from one marker's end to the next one's start."""
-    markers, per_marker = line.markers, line.steps.per_marker
-    cycle = (markers[-1][0] - markers[0][0]) / 1e9 / (len(markers) - 1) / per_marker
-    gap = statistics.fmean(max(0, b[0] - a[1]) for a, b in itertools.pairwise(markers)) / 1e9 / per_marker
-    return cycle, gap
+def _start_to_start_ms(steps: list[dict[str, float]], per_marker: float) -> float | None:
+    """Per step, from the first of xprof's steps to begin to the last one (None without their begins)."""
+    begins = [s["begin_ms"] for s in steps]
+    if len(begins) < 2 or any(b >= c for b, c in itertools.pairwise(begins)):
+        return None
+    return (begins[-1] - begins[0]) / (len(begins) - 1) / per_marker
 
 
 Tables = tuple[Any, Any, Any, Any, list[dict[str, float]] | None]  # xprof's four tools, and its OpStats' steps
