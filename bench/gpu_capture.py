@@ -153,7 +153,9 @@ def run(seconds: float, duration_ms: int, out: Path | None, python: str) -> int:
             for want in ("compute", "input"):
                 line = job.stdout.readline()
                 if not line:
-                    raise SystemExit(f"the job ended before its {want} phase (exit {job.wait()})")
+                    print(f"the job ended before its {want} phase", flush=True)
+                    failed = True
+                    break
                 phase = json.loads(line)
                 on_gpu = phase["backend"] == "gpu"
                 print(f"phase {phase['phase']} on {phase['device']} ({phase['backend']})", flush=True)

@@ -40,6 +40,7 @@ from .policy import CapturePolicy
 from .records import RecordStore, make_dir
 from .rules import PENDING, Engine, Transition, log_transition
 from .sampler import CollectorRunner, Snapshot
+from .workers import WATCH_AFTER_S
 
 log = logging.getLogger("tfprofd.agent")
 M_ARENA_MAX = -8  # mallopt parameter (malloc.h)
@@ -99,8 +100,8 @@ class Agent:
         jobwide = JobCaptures(
             lambda: PeerFinder(self.cfg.cluster, self.cfg.alerts.forward_networks, self.servers[1].address[1]),
             self.captures, store, PeerClient(token.current, lambda: self.cfg.alerts.host_value or socket.gethostname()),
-            lambda: (self.cfg.captures.timeout + self.cfg.captures.delay,  # a peer's capture, then its analysis,
-                     self.cfg.captures.analysis_timeout + self.cfg.captures.analysis_queue_timeout),  # queued too
+            lambda: (self.cfg.captures.timeout + self.cfg.captures.delay + WATCH_AFTER_S,  # a peer's capture, then
+                     self.cfg.captures.analysis_timeout + self.cfg.captures.analysis_queue_timeout),  # its analysis
             lambda: self.cfg.captures.keep)
         ControlApi(api, self.captures, policy, lambda labels: alert_is_for_host(
             labels, self.cfg.alerts.host_label, self.cfg.alerts.host_value), forwarder, jobwide)

@@ -29,7 +29,7 @@ from .jobs import JobRegistry, Target
 from .pending import PendingCaptures, PendingEntry, run_on_pending
 from .policy import Admission, CapturePolicy
 from .records import ACTIVE, FINISHED, TRIGGERS, CaptureRecord, RecordStore, new_id
-from .workers import CAPTURE_WORKER, WorkerPool
+from .workers import CAPTURE_WORKER, WATCH_AFTER_S, WorkerPool
 
 log = logging.getLogger("tfprofd.captures")
 
@@ -184,8 +184,10 @@ class CaptureService:
     def _capture(self, record: CaptureRecord, request: dict[str, Any], admission: Admission,
                  before: HostLoad | None = None) -> None:
         # counted from the trace's start: a delay (captures.delay, options.delay_ms) or a job-wide capture's common
-        # instant (start_at_ns) comes first, and the worker was killed before it began
-        timeout = self.settings().timeout + record.duration_ms / 1000 + request.get("delay_ms", 0) / 1000
+        # instant (start_at_ns) comes first, and the worker was killed before it began; after the trace, a process
+        # that answered with none is watched for a crash
+        timeout = (self.settings().timeout + record.duration_ms / 1000 + request.get("delay_ms", 0) / 1000
+                   + WATCH_AFTER_S)
         window = self._host(lambda host: host.open(record.job))
         try:
             outcome = self.capture_workers.run(CAPTURE_WORKER, [], json.dumps(request), timeout)

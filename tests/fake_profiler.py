@@ -5,6 +5,7 @@ recorded trace, for capture tests that need no TensorFlow."""
 from __future__ import annotations
 
 import lzma
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -17,7 +18,10 @@ TRACE = Path(__file__).parent / "fixtures" / "traces" / "plain-baseline.xplane.p
 
 
 class FakeProfiler:
-    def __init__(self) -> None:
+    """``dies_after``: answer as a session whose GPU tracer failed to start does (no events), then stop
+    listening that many seconds later, as the process it ran in crashed (README, Known issues)."""
+
+    def __init__(self, dies_after: float | None = None) -> None:
         trace = lzma.decompress(TRACE.read_bytes())
         self.requests: list[profiler_pb2.ProfileRequest] = []
 
@@ -26,6 +30,9 @@ class FakeProfiler:
             self.requests.append(request)
             start = request.opts.start_timestamp_ns / 1e9 or time.time()
             time.sleep(max(0.0, start - time.time()) + request.opts.duration_ms / 1000)
+            if dies_after is not None:
+                threading.Timer(dies_after, self.stop).start()
+                return profiler_pb2.ProfileResponse(empty_trace=True).SerializeToString()
             return profiler_pb2.ProfileResponse(xspace=trace).SerializeToString()
 
         self.server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_send_message_length", 1 << 28)])
