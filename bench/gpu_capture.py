@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from gpu_check import ROOT, SITE, free_port, scrape
+from gpu_check import ROOT, SITE, free_port, serving
 
 WHEELS = ROOT / ".gpu-check" / "wheels"
 PLATFORMS = ("manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
@@ -136,16 +136,8 @@ def run(seconds: float, duration_ms: int, out: Path | None, python: str) -> int:
         agent = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
         job = None
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    scrape(port)
-                    break
-                except OSError:
-                    if agent.poll() is not None or time.monotonic() > deadline:
-                        print(log_path.read_text(), file=sys.stderr)
-                        return 1
-                    time.sleep(0.2)
+            if not serving(agent, port, log_path):
+                return 1
             token = (state / "api.token").read_text().strip()
             job = subprocess.Popen([python, str(ROOT / "bench" / "gpu_jax_job.py"), "--addr",
                                     f"unix:{tmp / 'hook.sock'}", "--site", str(SITE), "--seconds", str(seconds),

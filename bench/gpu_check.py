@@ -64,6 +64,20 @@ def scrape(port: int) -> str:
         return response.read().decode()
 
 
+def serving(agent: subprocess.Popen, port: int, log_path: Path, within: float = 30) -> bool:
+    """Whether the agent serves /metrics within ``within`` seconds; if not, its log is printed."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            scrape(port)
+            return True
+        except OSError:
+            if agent.poll() is not None or time.monotonic() > deadline:
+                print(log_path.read_text(), file=sys.stderr)
+                return False
+            time.sleep(0.2)
+
+
 def parse(text: str) -> list[tuple[str, dict[str, str], float]]:
     out = []
     for line in text.splitlines():
@@ -109,16 +123,8 @@ def run(seconds: float, out: Path | None, site: Path = SITE, workload: float = 0
     with open(log_path, "wb") as log:
         agent = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    scrape(port)
-                    break
-                except OSError:
-                    if agent.poll() is not None or time.monotonic() > deadline:
-                        print(log_path.read_text(), file=sys.stderr)
-                        return 1
-                    time.sleep(0.2)
+            if not serving(agent, port, log_path):
+                return 1
             job = None
             if workload and torch_cuda():
                 job = subprocess.Popen(
