@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .protos import profiler_pb2, xplane_pb2
-from .workers import PR_SET_PDEATHSIG, WATCH_AFTER_S, die_with_parent, signal_ready
+from .workers import PR_SET_PDEATHSIG, die_with_parent, signal_ready
 
 EMPTY_TRACE_BYTES = 1024  # an idle process leaves a ~200-byte .xplane.pb
 MIN_LEAD_S = 0.02  # several targets: at least this long for every one to receive the request before the start
@@ -300,9 +300,9 @@ _REASON_WORDS = {
     "no_server": "nothing answers there: the process has no profiler server or exited",
     "died": "the process stopped answering during the capture: it exited or crashed (TensorFlow's profiler can "
             "crash the non-chief workers of a MultiWorkerMirroredStrategy job: README, Known issues)",
-    "died_after": "the process stopped answering just after its capture answered with no trace: it crashed (a "
-                  "profiling session whose GPU tracer failed to start has killed jobs on a GPU: README, Known "
-                  "issues)",
+    "died_after": "the process stopped answering within seconds of a capture that came back with no trace or an "
+                  "error: it exited or crashed (a profiling session whose GPU tracer failed to start has killed "
+                  "jobs on a GPU: README, Known issues)",
     "timeout": "no answer before the deadline",
     "not_a_profiler": "something answers at that port, but it is no TensorFlow profiler server: check the job's "
                       "profiler address (tfprofd_training_info{profiler_address}; the hook's profiler_port or "
@@ -376,8 +376,9 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
         started = time.time()
         answers = each(lambda t: _profile_one(t, profile_request(request, t.rpartition(":")[0], session, start_ns),
                                               deadline, request["max_trace_bytes"]))
-        answered = dict(zip(targets, answers, strict=True))
-        answers = each(lambda t: _watched(t, answered[t]))
+        watch_s = request.get("watch_s", 0.0)
+        if watch_s > 0 and any(outcome in ("empty_trace", "error") for outcome, _ in answers):
+            answers = list(pool.map(lambda i: _watched(targets[i], answers[i], watch_s), range(len(targets))))
     files: list[Trace] = []
     failures = []
     for target, (outcome, data) in zip(targets, answers, strict=True):
@@ -400,13 +401,18 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
     return {**_result("failed", reason, detail, started, files), "died": died}
 
 
-def _watched(target: str, answer: tuple[str, bytes | str]) -> tuple[str, bytes | str]:
-    """The answer, or ``died`` where it held no trace (or a gRPC error) and the process stopped listening within
-    ``WATCH_AFTER_S``: on an H100 a JAX job whose session failed to start its GPU tracer answered with no events
-    and crashed 1-3 s later."""
-    outcome, _ = answer
-    if outcome in ("empty_trace", "error") and not _still_listening(target, round(WATCH_AFTER_S / 0.1)):
-        return "died", f"{target}: {_REASON_WORDS['died_after']}"
+def _watched(target: str, answer: tuple[str, bytes | str], watch_s: float) -> tuple[str, bytes | str]:
+    """The answer, or ``died`` where it held no trace (or was a gRPC error) and the process stopped listening
+    within ``watch_s`` (0 on a host without a GPU): on an H100 a JAX job whose session failed to start its GPU
+    tracer answered with no events and crashed 1-3 s later."""
+    outcome, detail = answer
+    if outcome not in ("empty_trace", "error") or watch_s <= 0:
+        return answer
+    deadline = time.monotonic() + watch_s
+    while (left := deadline - time.monotonic()) > 0:
+        if not _probe(target, timeout=min(1.0, left)):
+            return "died", f"{target}: {_REASON_WORDS['died_after']} ({detail})"
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
     return answer
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
@@ -32,6 +33,9 @@ from .records import ACTIVE, FINISHED, TRIGGERS, CaptureRecord, RecordStore, new
 from .workers import CAPTURE_WORKER, WATCH_AFTER_S, WorkerPool
 
 log = logging.getLogger("tfprofd.captures")
+
+# The NVIDIA driver's control device: on every host where the driver is loaded, also where NVML cannot be read.
+NVIDIA_CONTROL = "/dev/nvidiactl"
 
 AGENT_MODE_DIR = 0o750  # the agent writes the trace itself: its group may read, nobody else
 
@@ -138,6 +142,7 @@ class CaptureService:
                    "logdir": record.directory, "max_trace_bytes": s.max_trace_bytes,
                    "host_tracer_level": s.host_tracer_level, "device_tracer_level": s.device_tracer_level,
                    "python_tracer_level": s.python_tracer_level, "delay_ms": int(s.delay * 1000), **(options or {})}
+        request["watch_s"] = WATCH_AFTER_S if self.traces_gpu(request) else 0.0
         if start_at_ns is not None:  # agent mode starts every worker then; server mode waits as long
             ahead_ms = int((start_at_ns / 1e9 - self.clock.time()) * 1000)
             request.update(start_at_ns=start_at_ns, delay_ms=max(0, ahead_ms))
@@ -181,13 +186,19 @@ class CaptureService:
             self.on_change()
             self.enforce_retention()
 
+    def traces_gpu(self, request: dict[str, Any]) -> bool:
+        """Whether a capture traces a GPU: its device tracer is on and the host has an NVIDIA GPU (NVML lists one,
+        or, where NVML cannot be read, the driver's control device exists). There a profiling session can kill the
+        job (README, Known issues): no snapshot ring, and a process that answers with no trace is watched."""
+        return request["device_tracer_level"] > 0 and (self.jobs.gpus_listed() or os.path.exists(NVIDIA_CONTROL))
+
     def _capture(self, record: CaptureRecord, request: dict[str, Any], admission: Admission,
                  before: HostLoad | None = None) -> None:
         # counted from the trace's start: a delay (captures.delay, options.delay_ms) or a job-wide capture's common
         # instant (start_at_ns) comes first, and the worker was killed before it began; after the trace, a process
         # that answered with none is watched for a crash
         timeout = (self.settings().timeout + record.duration_ms / 1000 + request.get("delay_ms", 0) / 1000
-                   + WATCH_AFTER_S)
+                   + request["watch_s"])
         window = self._host(lambda host: host.open(record.job))
         try:
             outcome = self.capture_workers.run(CAPTURE_WORKER, [], json.dumps(request), timeout)
@@ -221,7 +232,7 @@ class CaptureService:
         if result.get("died"):
             hold = self.settings().hold
             self.policy.hold(record.job, hold)
-            log.warning("capture %s: process(es) at %s of job %s died during the capture%s", record.id,
+            log.warning("capture %s: process(es) at %s of job %s died during (or just after) the capture%s", record.id,
                         ", ".join(result["died"]), record.job,
                         f"; no automatic capture of the job for {hold:.0f}s (captures.hold)" if hold else "")
 
@@ -397,7 +408,7 @@ class CaptureService:
                       "crashed) and were replaced; /healthz says what happened to the latest.", [],
                       [((), spare.idle_exits)])
         yield gauge("capture_held_seconds", "Seconds left before automatic captures of the job run again (a process "
-                    "of it died during a capture; captures.hold).", ["training_job"],
+                    "of it died during or just after a capture; captures.hold).", ["training_job"],
                     (([job], left) for job, left in sorted(self.policy.held().items())))
         last: dict[str, float] = {}
         latest: dict[str, CaptureRecord] = {}

@@ -75,12 +75,14 @@ class CaptureSettings:
     device_tracer_level: int = option(1, opt.parse_int, "Device (GPU) tracer level, 0-1.", minimum=0, maximum=1)
     python_tracer_level: int = option(0, opt.parse_int, "Python tracer level, 0-1 (costly).", minimum=0, maximum=1)
     timeout: float = option(90.0, opt.parse_duration, "A capture's worker is killed this long after the "
-                            "capture's delay and duration.", minimum=5, maximum=3600)
+                            "capture's delay and duration (5 s more on a GPU host, where a process that answered "
+                            "with no trace is watched for a crash).", minimum=5, maximum=3600)
     max_per_hour: int = option(12, opt.parse_int, "At most this many captures start in any hour.", minimum=0,
                                maximum=3600)
-    hold: float = option(24 * 3600.0, opt.parse_duration, "After a capture during which a process of the job died "
-                         "(TensorFlow's profiler can crash multi-worker jobs), no automatic capture (rule, alert, "
-                         "baseline) of that job for this long; manual ones still run. 0 turns this off.",
+    hold: float = option(24 * 3600.0, opt.parse_duration, "After a capture during (or just after) which a process of "
+                         "the job died (TensorFlow's profiler can crash multi-worker jobs, and GPU jobs), no automatic "
+                         "capture (rule, alert, baseline) of that job for this long; manual ones still run. 0 turns "
+                         "this off.",
                          minimum=0, maximum=30 * 86400)
     keep: int = option(50, opt.parse_int, "Keep at most this many finished captures (oldest deleted first).",
                        minimum=1, maximum=100000)

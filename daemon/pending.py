@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import select
 import subprocess
 import threading
@@ -30,9 +29,6 @@ if TYPE_CHECKING:
     from .hostcontext import HostLoad
     from .policy import Admission
     from .records import CaptureRecord
-
-# The NVIDIA driver's control device: on every host where the driver is loaded, also where NVML cannot be read.
-NVIDIA_CONTROL = "/dev/nvidiactl"
 
 log = logging.getLogger("tfprofd.pending")
 
@@ -225,8 +221,7 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
     record.context = {**(record.context or {}), "on_pending": True, "drop_at": entry.drop_at}
     ring = None
     ringable = s.snapshots and request["mode"] == "agent" and len(request["targets"]) == 1
-    if ringable and request["device_tracer_level"] > 0 and (
-            service.jobs.gpus_listed() or os.path.exists(NVIDIA_CONTROL)):
+    if ringable and service.traces_gpu(request):
         ringable = False
         record.context["mode_reason"] = "no snapshot ring on a GPU host: its session restarts kill GPU jobs"
         log.info("capture %s: one capture at pending, no snapshot ring: a snapshot restarts the profiling session, "

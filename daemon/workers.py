@@ -29,8 +29,8 @@ from typing import Any
 log = logging.getLogger("tfprofd.workers")
 
 CAPTURE_WORKER = "tfprofd.daemon.capture_worker"  # captures and snapshot rings; one waits, started ahead
-# How long a capture worker watches a process that answered with no trace for a crash (capture_worker._watched);
-# the agent's capture timeout allows for it.
+# How long a capture worker watches a process that answered with no trace or an error for a crash, on a GPU host
+# (capture_worker._watched); the capture's timeout allows for it.
 WATCH_AFTER_S = 5.0
 PARENT_ENV = "TFPROFD_WORKER_PARENT"
 READY_ENV = "TFPROFD_WORKER_READY_FD"  # a pre-started worker writes one byte there once it is ready

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tfprofd.daemon import pending
+from tfprofd.daemon import captures as captures_module
 from tfprofd.daemon.analysis import CaptureAnalysis
 from tfprofd.daemon.analysis.onset import drop_time, onset, split_at_drop
 from tfprofd.daemon.captures import CaptureService
@@ -169,7 +169,7 @@ def test_a_pending_rule_on_a_gpu_host_takes_one_capture_and_arms_no_ring(tmp_pat
         else:
             control = tmp_path / "nvidiactl"
             control.touch()
-            monkeypatch.setattr(pending, "NVIDIA_CONTROL", str(control))
+            monkeypatch.setattr(captures_module, "NVIDIA_CONTROL", str(control))
         on_transition(transition(PENDING), captures, True, 1.0, drop_at=time.time() - 3)
         [record] = captures.list()
         method = "Profile" if device_tracer_level else "GetSnapshot"
