@@ -65,8 +65,9 @@ class CapturePolicy:
                 raise CaptureBusy(f"a capture of {', '.join(busy)} is already running")
             held = self._held_until.get(job, -math.inf) - now
             if automatic and held > 0:
-                raise CaptureHeld(f"a process of job {job} died during its last capture: no automatic capture "
-                                  f"of it for {held:.0f}s more (captures.hold); a manual capture still runs")
+                raise CaptureHeld(f"a process of job {job} died during its last capture (or just after it): no "
+                                  f"automatic capture of it for {held:.0f}s more (captures.hold); a manual capture "
+                                  "still runs")
             key = (rule, addresses) if rule else None
             if key is not None and now < self._cooldown_until.get(key, -math.inf):
                 raise CoolingDown(f"rule {rule} captured {', '.join(sorted(addresses))} less than its cooldown "
@@ -115,7 +116,7 @@ class CapturePolicy:
             return True
 
     def hold(self, job: str, seconds: float) -> None:
-        """No automatic capture of ``job`` for ``seconds`` (a process of it died during a capture)."""
+        """No automatic capture of ``job`` for ``seconds`` (a process of it died during or just after a capture)."""
         with self._lock:
             now = self.clock.monotonic()
             self._held_until = {j: t for j, t in self._held_until.items() if t > now}
