@@ -121,7 +121,11 @@ def run(seconds: float, duration_ms: int, out: Path | None, python: str) -> int:
     if subprocess.run([python, "-c", "import jax"], capture_output=True).returncode != 0:
         print(f"no JAX for {python} on this machine: the capture part is skipped", file=sys.stderr)
         return 0
-    tmp = Path(tempfile.mkdtemp(prefix="tfprofd-gpu-capture-"))
+    with tempfile.TemporaryDirectory(prefix="tfprofd-gpu-capture-") as tmp:  # the agent's state and log, then gone
+        return run_in(Path(tmp), seconds, duration_ms, out, python)
+
+
+def run_in(tmp: Path, seconds: float, duration_ms: int, out: Path | None, python: str) -> int:
     port, api_port = free_port(), free_port()
     state = tmp / "state"
     args = [sys.executable, "-m", "tfprofd.daemon", "run", "--listen", f"127.0.0.1:{port}",
@@ -187,7 +191,6 @@ def run(seconds: float, duration_ms: int, out: Path | None, python: str) -> int:
     print("agent warnings:" + ("\n  " + "\n  ".join(warnings) if warnings else " none"))
     if out is not None:
         (out / "capture-agent.log").write_text(log_path.read_text())
-    shutil.rmtree(tmp, ignore_errors=True)
     return 1 if failed else 0
 
 

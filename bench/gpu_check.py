@@ -112,7 +112,11 @@ def run(seconds: float, out: Path | None, site: Path = SITE, workload: float = 0
         print(f"{site} is missing: run `python3 bench/gpu_check.py build` where pip can reach an index",
               file=sys.stderr)
         return 2
-    tmp = Path(tempfile.mkdtemp(prefix="tfprofd-gpu-check-"))
+    with tempfile.TemporaryDirectory(prefix="tfprofd-gpu-check-") as tmp:  # the agent's state and log, then gone
+        return run_in(Path(tmp), seconds, out, site, workload)
+
+
+def run_in(tmp: Path, seconds: float, out: Path | None, site: Path, workload: float) -> int:
     port = free_port()
     args = [sys.executable, "-S", "-m", "tfprofd.daemon", "run", "--listen", f"127.0.0.1:{port}",
             "--api.listen", f"127.0.0.1:{free_port()}", "--hook.listen", f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}",
