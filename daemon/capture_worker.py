@@ -41,6 +41,7 @@ EMPTY_TRACE_BYTES = 1024  # an idle process leaves a ~200-byte .xplane.pb
 MIN_LEAD_S = 0.02  # several targets: at least this long for every one to receive the request before the start
 MAX_LEAD_S = 0.3  # ... and at most this long
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+WATCHED_OUTCOMES = ("empty_trace", "error")  # answers after which a GPU host watches the process (_watched)
 CONNECT_WAIT_S = 1.0  # how long a target may take to connect before the start (slower: it counts as MAX_LEAD_S)
 
 
@@ -54,13 +55,15 @@ def _probe(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def _still_listening(address: str, checks: int = 10, interval: float = 0.1) -> bool:
-    """Whether host:port keeps accepting connections for ``checks`` probes: a process that is exiting may
-    have reset one connection and not yet closed its listening socket."""
-    for _ in range(checks):
-        if not _probe(address):
+def _still_listening(address: str, within: float = 1.0, interval: float = 0.1) -> bool:
+    """Whether host:port keeps accepting connections for ``within`` seconds, probed every ``interval`` (each
+    probe bounded by the time left): a process that is exiting may have reset one connection and not yet
+    closed its listening socket, and one that crashes after answering closes it a little later."""
+    deadline = time.monotonic() + within
+    while (left := deadline - time.monotonic()) > 0:
+        if not _probe(address, timeout=min(1.0, left)):
             return False
-        time.sleep(interval)
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
     return True
 
 
@@ -377,7 +380,7 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
         answers = each(lambda t: _profile_one(t, profile_request(request, t.rpartition(":")[0], session, start_ns),
                                               deadline, request["max_trace_bytes"]))
         watch_s = request.get("watch_s", 0.0)
-        if watch_s > 0 and any(outcome in ("empty_trace", "error") for outcome, _ in answers):
+        if watch_s > 0 and any(outcome in WATCHED_OUTCOMES for outcome, _ in answers):
             answers = list(pool.map(lambda i: _watched(targets[i], answers[i], watch_s), range(len(targets))))
     files: list[Trace] = []
     failures = []
@@ -403,16 +406,11 @@ def capture_agent_mode(request: dict[str, Any], logdir: Path) -> dict[str, Any]:
 
 def _watched(target: str, answer: tuple[str, bytes | str], watch_s: float) -> tuple[str, bytes | str]:
     """The answer, or ``died`` where it held no trace (or was a gRPC error) and the process stopped listening
-    within ``watch_s`` (0 on a host without a GPU): on an H100 a JAX job whose session failed to start its GPU
-    tracer answered with no events and crashed 1-3 s later."""
+    within ``watch_s``: on an H100 a JAX job whose session failed to start its GPU tracer answered with no
+    events and crashed 1-3 s later."""
     outcome, detail = answer
-    if outcome not in ("empty_trace", "error") or watch_s <= 0:
-        return answer
-    deadline = time.monotonic() + watch_s
-    while (left := deadline - time.monotonic()) > 0:
-        if not _probe(target, timeout=min(1.0, left)):
-            return "died", f"{target}: {_REASON_WORDS['died_after']} ({detail})"
-        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    if outcome in WATCHED_OUTCOMES and not _still_listening(target, within=watch_s):
+        return "died", f"{target}: {_REASON_WORDS['died_after']} ({detail})"
     return answer
 
 

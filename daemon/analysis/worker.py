@@ -139,8 +139,8 @@ def analyze_worker(trace: Path, verbose: bool = False, max_memory: int | None = 
                        steps_found=line.steps.found, steps_inferred=line.steps.source == "inferred",
                        ops=ops_per_step(op_stats, pipeline, kernels, line, count), copies_ms=dict(line.copies_ms))
     times = [s["step_ms"] for s in steps]
-    if times and statistics.fmean(times) > 0:  # steps of no length (markers with no duration) time nothing
-        mean = statistics.fmean(times)
+    mean = statistics.fmean(times) if times else 0.0
+    if mean > 0:  # steps of no length (markers with no duration) time nothing
         breakdown_ms = StepParts(**{part: statistics.fmean(s[part] for s in steps) for part in PART_TYPES})
         if line.loops:
             breakdown_ms = _waits_in_loops(breakdown_ms, line.input_wait_ms)
@@ -151,7 +151,6 @@ def analyze_worker(trace: Path, verbose: bool = False, max_memory: int | None = 
     w = replace(w, ratios=_ratios(w, steps, line))
     if w.step_time_ms is not None:
         between = w.ratios.between_steps or 0.0
-        mean = w.step_time_ms.mean
         measured = _start_to_start_ms(steps, per_marker)  # the steps xprof kept, not the markers it left out
         if measured is not None:  # a step and the time after it
             cycle = max(mean, measured)
@@ -205,9 +204,10 @@ def _within_markers(steps: list[dict[str, float]], line: Timeline) -> list[dict[
     out = []
     for step, (begin, _), ms in zip(steps, marked, durations, strict=True):
         parts = {p: step[p] for p in PART_TYPES if p != "other"}
-        scale = min(1.0, ms / sum(parts.values())) if sum(parts.values()) > 0 else 1.0
-        parts = {p: v * scale for p, v in parts.items()}
-        out.append({**step, **parts, "begin_ms": begin / 1e9, "step_ms": ms, "other": ms - sum(parts.values())})
+        total = sum(parts.values())
+        scale = min(1.0, ms / total) if total > 0 else 1.0
+        out.append({**step, **{p: v * scale for p, v in parts.items()}, "begin_ms": begin / 1e9, "step_ms": ms,
+                    "other": ms - total * scale})
     return out
 
 
