@@ -12,8 +12,10 @@ import math
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -188,31 +190,39 @@ def test_report_takes_an_analysis_of_a_standalone_trace(v100):
     assert Path(v100["trace"]).name in report(CaptureAnalysis.from_json(v100))
 
 
-def h100(name: str, tmp_path: Path, edge_marker: bool = False) -> dict:
+def h100(name: str, tmp_path: Path, edit: Callable[[Any, Any], None] | None = None) -> dict:
     """One of the JAX traces captured by the agent on an H100 (tests/fixtures/traces/README.md), analysed;
-    ``edge_marker``: with one more step marker before the first, as a capture that begins inside a step has
-    (xprof leaves such a marker out of its steps)."""
+    ``edit(plane, line)`` changes its host plane's Python thread first."""
     path = tmp_path / f"h100-jax-mlp-{name}.xplane.pb"
     data = lzma.decompress((FIXTURES / "traces" / f"{path.name}.xz").read_bytes())
-    if edge_marker:
+    if edit is not None:
         space = xplane_pb2.XSpace.FromString(data)
         plane = next(p for p in space.planes if p.name == "/host:CPU")
-        line = next(line for line in plane.lines if line.name == "python3")
-        first = next(e for e in line.events if plane.event_metadata[e.metadata_id].name == "train")
-        edge = xplane_pb2.XEvent()
-        edge.CopyFrom(first)
-        edge.offset_ps, edge.duration_ps = 5_000_000_000, 9_000_000_000  # 5 ms in, 9 ms long
-        for stat in edge.stats:
-            if plane.stat_metadata[stat.metadata_id].name == "step_num":
-                stat.int64_value -= 1
-        events = sorted([*line.events, edge], key=lambda e: e.offset_ps)
-        del line.events[:]
-        line.events.extend(events)
+        edit(plane, next(line for line in plane.lines if line.name == "python3"))
         data = space.SerializeToString()
     path.write_bytes(data)
     result = analyze(str(path), "--json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
+
+
+def markers(plane, line) -> list:
+    return [e for e in line.events if plane.event_metadata[e.metadata_id].name == "train"]
+
+
+def add_edge_marker(plane, line) -> None:
+    """One more step marker before the first, as a capture that begins inside a step has (xprof leaves such a
+    marker out of its steps)."""
+    first = markers(plane, line)[0]
+    edge = xplane_pb2.XEvent()
+    edge.CopyFrom(first)
+    edge.offset_ps, edge.duration_ps = 5_000_000_000, 9_000_000_000  # 5 ms in, 9 ms long
+    for stat in edge.stats:
+        if plane.stat_metadata[stat.metadata_id].name == "step_num":
+            stat.int64_value -= 1
+    events = sorted([*line.events, edge], key=lambda e: e.offset_ps)
+    del line.events[:]
+    line.events.extend(events)
 
 
 @pytest.mark.parametrize("edge_marker", [False, True], ids=["markers_as_steps", "one_marker_more"])
@@ -222,7 +232,7 @@ def test_steps_on_an_h100_with_their_input_made_between_them_are_their_markers_a
     636 ms after it. xprof stretches its GPU steps from one step's device start to the next (650, 652, 3.8 ms):
     taken as they were, the steps were 435 ms and the time between them 12.8 s in a 1.3 s capture. Its steps
     are matched to the markers they begin in, so a marker it leaves out changes nothing."""
-    a = h100("input", tmp_path, edge_marker)
+    a = h100("input", tmp_path, add_edge_marker if edge_marker else None)
     assert a["hardware"] == "GPU" and a["steps"] == 3
     step = a["step_time_ms"]
     assert math.isclose(step["mean"], 14.43, abs_tol=0.05) and step["max"] < 15, step
@@ -243,3 +253,14 @@ def test_steps_on_an_h100_with_their_batch_on_the_gpu_are_compute_bound(tmp_path
     assert math.isclose(a["cycle_ms"], a["capture_seconds"] * 1000 / a["steps"], rel_tol=0.03)
     assert math.isclose(a["step_time_ms"]["mean"] + sum(a["between_ms"].values()), a["cycle_ms"], rel_tol=1e-9)
     assert a["bottleneck"] == "device" and "compute-bound" in a["why"]
+
+
+def test_step_markers_of_no_length_give_a_clear_unknown_not_a_crash(tmp_path):
+    """Markers that last nothing time no step: the analysis says there are no steps to measure."""
+    def no_length(plane, line) -> None:
+        for event in markers(plane, line):
+            event.duration_ps = 0
+
+    a = h100("input", tmp_path, no_length)
+    assert a["bottleneck"] == "unknown" and "step time cannot be measured" in a["why"], a["why"]
+    assert "step_time_ms" not in a and a["steps"] == 0
