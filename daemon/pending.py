@@ -5,6 +5,8 @@ deadline. ``run_on_pending`` runs one such capture in the capture's thread: a ri
 snapshots where the profiler server has them (``snapshot_worker``), else one capture at once; then it
 waits for the rule and keeps or discards. Admission (busy, cooldown, hourly budget) is the policy's, as
 for every capture: a discarded capture still counted, so a flapping rule cannot profile a job all the time.
+A capture on pending that fails does not take the firing's turn: its cooldown is lifted (once per cooldown)
+and the firing, before or after the failure, gets a capture of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +49,7 @@ class PendingEntry:
     drop_at: float | None = None  # Unix time of the drop, estimated from the hook's step times
     outcome: str = ""
     decided: threading.Event = field(default_factory=threading.Event)
+    recapture: Callable[[], None] | None = None  # the firing's own capture, should the one kept for it fail
 
 
 def key_of(t: Transition) -> Key:
@@ -67,18 +71,21 @@ class PendingCaptures:
             self._decide(old, CLEARED_OUT)
         return entry
 
-    def _decide(self, entry: PendingEntry, outcome: str) -> None:
+    @staticmethod
+    def _decide(entry: PendingEntry, outcome: str) -> None:
         if not entry.decided.is_set():
             entry.outcome = outcome
             entry.decided.set()
 
-    def fire(self, key: Key) -> bool:
-        """The rule fired: a capture waiting on it is kept; False if none waits (capture the usual way)."""
-        with self._lock:
+    def fire(self, key: Key, recapture: Callable[[], None]) -> bool:
+        """The rule fired: a capture waiting on it is kept, and ``recapture`` runs if that capture then fails
+        (``failed``); False if none waits (capture the usual way)."""
+        with self._lock:  # one step with ``failed``: a firing is never lost between the two
             entry = self._entries.pop(key, None)
-        if entry is None or entry.decided.is_set():
-            return False
-        self._decide(entry, FIRED)
+            if entry is None or entry.decided.is_set():
+                return False
+            entry.recapture = recapture
+            self._decide(entry, FIRED)
         return True
 
     def clear(self, key: Key) -> None:
@@ -86,6 +93,15 @@ class PendingCaptures:
             entry = self._entries.pop(key, None)
         if entry is not None:
             self._decide(entry, CLEARED_OUT)
+
+    def failed(self, entry: PendingEntry) -> Callable[[], None] | None:
+        """The capture taken for ``entry`` failed: nothing waits on it any more. The firing's own capture if the
+        rule fired already; else None, and a firing to come captures the usual way."""
+        with self._lock:
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+            self._decide(entry, CLEARED_OUT)
+            return entry.recapture if entry.outcome == FIRED else None
 
     def wait(self, entry: PendingEntry) -> str:
         if not entry.decided.wait(max(0.0, entry.deadline - self._monotonic())):
@@ -111,15 +127,11 @@ def on_transition(t: Transition, captures: CaptureService, on_pending: bool, int
     if t.kind in (CLEARED, RESOLVED):
         captures.pending.clear(key)
         return
-    if t.kind == FIRING and captures.pending.fire(key):
-        log.info("rule %s fired: its capture taken on pending is kept", t.rule.name)
-        return
-    if t.kind == PENDING and not on_pending:
+    if t.kind not in (PENDING, FIRING) or (t.kind == PENDING and not on_pending):
         return
     entry = None
-    if t.kind == PENDING:
-        entry = captures.pending.open(key, t.rule.for_seconds, max(GRACE_SECONDS, 3 * interval), drop_at)
-    if t.kind in (PENDING, FIRING):
+
+    def capture() -> None:
         try:
             captures.request("rule", t.labels.get("training_job"), t.labels.get("gpu"), rule=t.rule.name,
                              cooldown=t.rule.cooldown, pending=entry, lookback=lookback(t, interval))
@@ -127,6 +139,14 @@ def on_transition(t: Transition, captures: CaptureService, on_pending: bool, int
             if entry is not None:
                 captures.pending.clear(key)  # nothing waits on it: the firing captures the usual way
             log.info("rule %s: no capture: %s", t.rule.name, exc.reason)
+
+    if t.kind == FIRING:
+        if captures.pending.fire(key, capture):  # ``capture`` runs later if the kept capture fails
+            log.info("rule %s fired: its capture taken on pending is kept", t.rule.name)
+            return
+    else:
+        entry = captures.pending.open(key, t.rule.for_seconds, max(GRACE_SECONDS, 3 * interval), drop_at)
+    capture()
 
 
 def lookback(t: Transition, interval: float) -> float:
@@ -254,27 +274,43 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
                 return
             record.context["snapshots"] = result.get("snapshots", [])
             _apply(record, result, service.clock.time(), s.analyze)
+            if record.status == "failed":
+                _failed(service, record, entry)
             return
         ring.close()
         if armed.get("status") != "unimplemented":
             _apply(record, armed, service.clock.time(), s.analyze)
             service.policy.release(admission)
-            service.pending.clear(entry.key)
+            _failed(service, record, entry)
             return
         log.info("capture %s: %s; one capture at pending instead", record.id, armed.get("detail"))
     record.context["mode"] = "capture"
     taken = replace(record)  # the record stays running until the rule decides
     service._capture(taken, request, admission, before)
     record.started_at, record.host = taken.started_at, taken.host
-    if taken.status in ("done", "analyzing"):
+    traced = taken.status in ("done", "analyzing")
+    if traced:
         outcome = service.pending.wait(entry)
         if outcome != FIRED:
             discard(service, record, outcome)
             return
-    else:  # it failed (busy, no server): the record says so now, and the firing, if it comes, captures anew
-        service.pending.clear(entry.key)
     for name in ("reason", "detail", "files", "finished_at", "bytes", "status"):  # status last: a whole record
         setattr(record, name, getattr(taken, name))
+    if not traced:  # the record says so now, not when the rule decides
+        _failed(service, record, entry)
+
+
+def _failed(service: CaptureService, record: CaptureRecord, entry: PendingEntry) -> None:
+    """The capture taken on pending failed (no server, no trace, a timeout): it does not take the firing's turn.
+    The rule's cooldown it booked is lifted, once per cooldown (a rule whose captures keep failing still waits),
+    and a firing that came during it captures now; one still to come captures the usual way."""
+    if record.rule:
+        service.policy.forgive(record.rule, frozenset(t["address"] for t in record.targets))
+    recapture = service.pending.failed(entry)
+    if recapture is not None and record.reason != "agent_stopped":
+        log.info("capture %s taken on pending failed after rule %s fired: the firing captures anew", record.id,
+                 record.rule)
+        recapture()
 
 
 def _apply(record: CaptureRecord, result: dict[str, Any], now: float, analyze: bool) -> None:

@@ -99,7 +99,8 @@ class CapturePolicy:
 
     def forgive(self, rule: str, addresses: frozenset[str]) -> bool:
         """Lift the cooldown a rule's capture booked: it found other processes starving the job (host
-        contention), not the job's own cause, which the rule may capture when it next fires. Once per cooldown:
+        contention), not the job's own cause, which the rule may capture when it next fires; or, taken when the
+        rule went pending, it failed, and the firing may capture on its own. Once per cooldown:
         a second contended capture within the span of the lifted one keeps its cooldown, so a host that stays
         busy gets at most two captures a cooldown from the rule, and noise cannot spend the hourly budget that
         the other rules share. Whether a cooldown was lifted."""

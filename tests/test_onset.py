@@ -55,6 +55,8 @@ class FakeProfiler(grpc.GenericRpcHandler):
         self.calls: list[str] = []
         self.lock = threading.Lock()
         self.since = time.time_ns()
+        self.empty: set[str] = set()  # methods that answer with no events (an idle process, a failed session)
+        self.gate: threading.Event | None = None  # a Profile call answers only once it is set
 
     def count(self, method: str) -> int:
         with self.lock:
@@ -68,7 +70,13 @@ class FakeProfiler(grpc.GenericRpcHandler):
         def answer(request: bytes, context) -> bytes:
             with self.lock:
                 self.calls.append(method)
+                gate, empty = (self.gate if method == "Profile" else None), method in self.empty
+            if gate is not None:
+                gate.wait(60)
+            with self.lock:
                 begin, self.since = self.since, time.time_ns()
+            if empty:
+                return profiler_pb2.ProfileResponse(empty_trace=True).SerializeToString()
             if method in ("GetSnapshot", "Profile"):
                 return profiler_pb2.ProfileResponse(xspace=xspace(begin, self.since)).SerializeToString()
             return b""
@@ -247,6 +255,76 @@ def test_a_capture_at_pending_that_fails_says_so_at_once_and_the_firing_captures
     on_transition(Transition(FIRING, rule, {"training_job": "a"}, 0.5), captures, True, 1.0, None)
     assert len(captures.list()) == 2
     assert all(ended(captures, r.id).status == "failed" for r in captures.list())
+
+
+def test_a_capture_at_pending_that_fails_leaves_the_firing_its_own_capture_despite_the_cooldown(tmp_path, profiler):
+    """The capture taken on pending booked the rule's cooldown (15 min) and then failed (the process answered with no
+    events). The rule's firing still gets a capture of its own, which succeeds: a failed capture does not take the
+    firing's turn. With TensorFlow 2.21's ring the firing comes first (the ring is kept, then finds no events); before
+    it, the one capture at pending fails before the firing."""
+    handler, address = profiler
+    handler.empty = {"GetSnapshot"} if handler.continuous else {"Profile"}
+    captures = service(tmp_path, address)
+    on_transition(transition(PENDING), captures, True, 1.0, None)
+    [first] = captures.list()
+    if handler.continuous:
+        wait_for(lambda: handler.count("GetSnapshot") >= 1, 30, message="the ring's first snapshot")
+    else:
+        first = ended(captures, first.id)
+        assert (first.status, first.reason) == ("failed", "empty_trace"), first
+        handler.empty = set()
+    on_transition(transition(FIRING), captures, True, 1.0, None)
+    first = ended(captures, first.id)
+    assert (first.status, first.reason) == ("failed", "empty_trace"), first
+    wait_for(lambda: len(captures.list()) == 2, 30, message="the firing's own capture")
+    second = ended(captures, captures.list()[0].id)
+    assert (second.trigger, second.rule, second.status) == ("rule", "throughput_drop", "done"), second
+    assert not (second.context or {}).get("on_pending")
+    assert handler.count("Profile") == (1 if handler.continuous else 2)
+
+
+def test_a_firing_during_the_capture_at_pending_is_not_lost_when_that_capture_fails(tmp_path):
+    """The rule fires while the capture taken on pending still runs (a long capture; on a GPU host the 5 s watch
+    after an empty one), so the firing keeps it; then it fails. The firing then captures on its own."""
+    handler = FakeProfiler(continuous=False)
+    handler.empty, handler.gate = {"Profile"}, threading.Event()
+    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        captures = service(tmp_path, f"127.0.0.1:{port}")
+        on_transition(transition(PENDING), captures, True, 1.0, None)
+        [first] = captures.list()
+        wait_for(lambda: handler.count("Profile") == 1, 30, message="the capture at pending to reach the server")
+        on_transition(transition(FIRING), captures, True, 1.0, None)
+        assert len(captures.list()) == 1  # kept: the firing waits on it
+        with handler.lock:
+            gate, handler.gate, handler.empty = handler.gate, None, set()  # the next call answers with a trace
+        gate.set()  # the capture at pending answers now, with no events
+        first = ended(captures, first.id)
+        assert (first.status, first.reason) == ("failed", "empty_trace"), first
+        wait_for(lambda: len(captures.list()) == 2, 30, message="the firing's own capture")
+        second = ended(captures, captures.list()[0].id)
+    finally:
+        server.stop(0)
+    assert (second.trigger, second.status) == ("rule", "done"), second
+    assert handler.count("Profile") == 2
+
+
+def test_a_rule_whose_captures_keep_failing_gets_at_most_two_a_cooldown(tmp_path):
+    """A failed capture at pending hands its cooldown back once per cooldown: a flapping rule on a job whose profiler
+    never answers does not fail a capture at every pending."""
+    captures = service(tmp_path, f"127.0.0.1:{free_port()}", snapshots=False)
+    for _ in range(3):
+        on_transition(transition(PENDING), captures, True, 1.0, None)
+        for record in captures.list():
+            ended(captures, record.id)
+        on_transition(transition(CLEARED), captures, True, 1.0, None)
+    on_transition(transition(FIRING), captures, True, 1.0, None)
+    records = captures.list()
+    assert [(r.status, r.reason) for r in records] == [("failed", "no_server")] * 2, records
+    with pytest.raises(CoolingDown):
+        captures.request("rule", "a", rule="throughput_drop", cooldown=900)
 
 
 def test_capture_on_pending_off_captures_when_the_rule_fires(tmp_path, profiler):
