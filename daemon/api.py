@@ -27,6 +27,7 @@ from tfprofd.exporter.options import shown
 
 from .captures import CaptureService
 from .errors import (
+    AgentStopping,
     AmbiguousJob,
     BudgetSpent,
     CaptureBusy,
@@ -52,7 +53,7 @@ CAPTURE_OPTIONS = {"host_tracer_level": (0, 3), "device_tracer_level": (0, 1), "
                    "delay_ms": (0, 60000)}
 STATUS: dict[type[DomainError], int] = {InvalidRequest: 400, AmbiguousJob: 400, NotFound: 404, CaptureBusy: 409,
                                         CoolingDown: 409, CaptureHeld: 409, BudgetSpent: 429,
-                                        StorageError: 507, DiscoveryFailed: 502}
+                                        StorageError: 507, DiscoveryFailed: 502, AgentStopping: 503}
 # Domain errors an Alertmanager retry can cure: the job may start reporting, the capture finish, the disk clear.
 RETRYABLE = (NoTrainingJob, CaptureBusy, StorageError)
 # The shipped straggler alert (prometheus/tfprofd-alerts.yaml): on the straggler's node, with a cluster to find the

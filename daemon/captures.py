@@ -24,7 +24,7 @@ from tfprofd.exporter.base import Clock, counter, gauge
 
 from .analysis import CaptureAnalysis, compare, with_comparison  # stdlib only: xprof loads in the worker alone
 from .config import CaptureSettings
-from .errors import AmbiguousJob, DomainError, StorageError
+from .errors import AgentStopping, AmbiguousJob, DomainError, StorageError
 from .hostcontext import HostContext, HostLoad, HostMonitor, apply
 from .jobs import JobRegistry, Target
 from .pending import PendingCaptures, PendingEntry, run_on_pending
@@ -68,6 +68,7 @@ class CaptureService:
         self._discarded: dict[str, int] = {}  # rule -> captures taken on pending and discarded
         self.pending = PendingCaptures(clock.monotonic)
         self._threads: set[threading.Thread] = set()
+        self._stopping = False  # stop() began: no capture starts
         self._stopped = False
         self._lock = threading.Lock()
         self.on_change: Callable[[], None] = lambda: None  # a record started or ended: its metrics changed
@@ -115,6 +116,8 @@ class CaptureService:
         """Start one capture; at ``start_at_ns`` (Unix ns, a job-wide capture's common instant) if given;
         ``pending``: started as its rule went pending, kept only if the rule fires; ``lookback``: the seconds
         of the past its rule measured (the record says whether other processes starved the job then)."""
+        if self._stopping:
+            raise AgentStopping("the agent is stopping: it starts no capture")
         s = self.settings()
         budget = None if trigger == "baseline" else s.max_per_hour  # baselines keep their own schedule
         admission = self.policy.admit(targets, budget, rule=rule, cooldown=cooldown, automatic=trigger != "manual")
@@ -186,6 +189,10 @@ class CaptureService:
             self.on_change()
             self.enforce_retention()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
     def traces_gpu(self, request: dict[str, Any]) -> bool:
         """Whether a capture traces a GPU: its device tracer is on and the host has an NVIDIA GPU (NVML lists one,
         or, where NVML cannot be read, the driver's control device exists). There a profiling session can kill the
@@ -229,12 +236,20 @@ class CaptureService:
             log.info("capture %s done: %d file(s) in %s", record.id, len(record.files), record.directory)
         else:
             log.warning("capture %s failed: %s: %s", record.id, record.reason, record.detail)
-        if result.get("died"):
-            hold = self.settings().hold
-            self.policy.hold(record.job, hold)
-            log.warning("capture %s: process(es) at %s of job %s died during (or just after) the capture%s", record.id,
-                        ", ".join(result["died"]), record.job,
-                        f"; no automatic capture of the job for {hold:.0f}s (captures.hold)" if hold else "")
+        self.hold_if_died(record, result)
+
+    def hold_if_died(self, record: CaptureRecord, result: dict[str, Any]) -> None:
+        """A worker's result says a process died during (or just after) the capture: no automatic capture of the job
+        for ``captures.hold``."""
+        died = result.get("died")
+        if not died:
+            return
+        hold = self.settings().hold
+        self.policy.hold(record.job, hold)
+        where = ", ".join(died) if isinstance(died, list) else ", ".join(t["address"] for t in record.targets)
+        log.warning("capture %s: process(es) at %s of job %s died during (or just after) the capture%s", record.id,
+                    where, record.job,
+                    f"; no automatic capture of the job for {hold:.0f}s (captures.hold)" if hold else "")
 
     def _host(self, measure: Callable[[HostMonitor], Any]) -> Any:
         """A host measurement; one that fails is logged and leaves a note, never the capture failed."""
@@ -368,6 +383,7 @@ class CaptureService:
 
         A capture thread that has not ended within ``timeout`` (a busy host) may not end before the process
         exits: its record is saved final here, and nothing saves it active again."""
+        self._stopping = True
         self.pending.stop()
         self.capture_workers.stop()
         self.analysis_workers.stop()

@@ -51,6 +51,10 @@ class CaptureHeld(DomainError):
     """A worker of the job died during one of its captures: automatic captures of it wait (captures.hold)."""
 
 
+class AgentStopping(DomainError):
+    """The agent is stopping (SIGTERM): it starts no capture."""
+
+
 class ForwardFailed(DomainError):
     """An alert for another host could not be handed to that host's agent (a retry may reach it)."""
 

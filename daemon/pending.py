@@ -40,16 +40,20 @@ FIRED, CLEARED_OUT, EXPIRED, STOPPED = "fired", "cleared", "expired", "stopped"
 GRACE_SECONDS = 5.0  # after the rule's `for`, the samples that may still make it fire
 
 
+Recapture = Callable[[str], None]  # the firing's own capture of one job
+
+
 @dataclass
 class PendingEntry:
-    """One pending rule series; its captures wait on ``decided``."""
+    """One pending rule series; its captures (one per job the rule covers) wait on ``decided``."""
 
     key: Key
     deadline: float  # monotonic: not fired by then = discarded
     drop_at: float | None = None  # Unix time of the drop, estimated from the hook's step times
     outcome: str = ""
     decided: threading.Event = field(default_factory=threading.Event)
-    recapture: Callable[[], None] | None = None  # the firing's own capture, should the one kept for it fail
+    failed_jobs: list[str] = field(default_factory=list)  # jobs whose capture failed before the rule decided
+    recapture: Recapture | None = None  # once fired, until the rule resolves: a job's capture anew
 
 
 def key_of(t: Transition) -> Key:
@@ -57,9 +61,13 @@ def key_of(t: Transition) -> Key:
 
 
 class PendingCaptures:
+    """The pending rule series that captures wait on, and the fired ones until they resolve (a capture kept for a
+    firing may still fail, and the firing then captures that job anew)."""
+
     def __init__(self, monotonic: Any):
         self._monotonic = monotonic
         self._entries: dict[Key, PendingEntry] = {}
+        self._fired: dict[Key, PendingEntry] = {}
         self._lock = threading.Lock()
 
     def open(self, key: Key, for_seconds: float, grace: float, drop_at: float | None) -> PendingEntry:
@@ -67,6 +75,7 @@ class PendingCaptures:
         with self._lock:
             old = self._entries.pop(key, None)
             self._entries[key] = entry
+            self._forget_firing(key)
         if old is not None:
             self._decide(old, CLEARED_OUT)
         return entry
@@ -77,31 +86,40 @@ class PendingCaptures:
             entry.outcome = outcome
             entry.decided.set()
 
-    def fire(self, key: Key, recapture: Callable[[], None]) -> bool:
-        """The rule fired: a capture waiting on it is kept, and ``recapture`` runs if that capture then fails
-        (``failed``); False if none waits (capture the usual way)."""
+    def _forget_firing(self, key: Key) -> None:
+        fired = self._fired.pop(key, None)
+        if fired is not None:
+            fired.recapture = None
+
+    def fire(self, key: Key, recapture: Recapture) -> list[str] | None:
+        """The rule fired: the captures waiting on it are kept. None if it took none (capture the usual way); else
+        the jobs whose capture already failed, for ``recapture``, which also runs for a kept capture that fails
+        later (``failed``), until the rule resolves (``clear``)."""
         with self._lock:  # one step with ``failed``: a firing is never lost between the two
             entry = self._entries.pop(key, None)
             if entry is None or entry.decided.is_set():
-                return False
+                return None
             entry.recapture = recapture
+            self._fired[key] = entry
             self._decide(entry, FIRED)
-        return True
+            return list(entry.failed_jobs)
 
     def clear(self, key: Key) -> None:
+        """The rule cleared (before firing) or resolved: nothing is kept or captured anew for it any more."""
         with self._lock:
             entry = self._entries.pop(key, None)
+            self._forget_firing(key)
         if entry is not None:
             self._decide(entry, CLEARED_OUT)
 
-    def failed(self, entry: PendingEntry) -> Callable[[], None] | None:
-        """The capture taken for ``entry`` failed: nothing waits on it any more. The firing's own capture if the
-        rule fired already; else None, and a firing to come captures the usual way."""
+    def failed(self, entry: PendingEntry, job: str) -> Recapture | None:
+        """The capture of ``job`` taken for ``entry`` failed; the other jobs' captures still wait on it. The firing's
+        own capture if the rule fired and has not resolved; else None, and a firing to come captures ``job``."""
         with self._lock:
-            if self._entries.get(entry.key) is entry:
-                del self._entries[entry.key]
-            self._decide(entry, CLEARED_OUT)
-            return entry.recapture if entry.outcome == FIRED else None
+            if entry.outcome == FIRED:
+                return entry.recapture
+            entry.failed_jobs.append(job)
+            return None
 
     def wait(self, entry: PendingEntry) -> str:
         if not entry.decided.wait(max(0.0, entry.deadline - self._monotonic())):
@@ -114,6 +132,8 @@ class PendingCaptures:
     def stop(self) -> None:
         with self._lock:
             entries, self._entries = list(self._entries.values()), {}
+            for key in list(self._fired):
+                self._forget_firing(key)
         for entry in entries:
             self._decide(entry, STOPPED)
 
@@ -131,18 +151,23 @@ def on_transition(t: Transition, captures: CaptureService, on_pending: bool, int
         return
     entry = None
 
-    def capture() -> None:
+    def capture(job: str | None = None) -> None:
+        """The rule's capture (of ``job`` only: a failed capture on pending taken anew for the firing)."""
         try:
-            captures.request("rule", t.labels.get("training_job"), t.labels.get("gpu"), rule=t.rule.name,
+            captures.request("rule", job or t.labels.get("training_job"), t.labels.get("gpu"), rule=t.rule.name,
                              cooldown=t.rule.cooldown, pending=entry, lookback=lookback(t, interval))
         except DomainError as exc:
             if entry is not None:
                 captures.pending.clear(key)  # nothing waits on it: the firing captures the usual way
-            log.info("rule %s: no capture: %s", t.rule.name, exc.reason)
+            log.info("rule %s: no capture%s: %s", t.rule.name, f" of job {job}" if job else "", exc.reason)
 
     if t.kind == FIRING:
-        if captures.pending.fire(key, capture):  # ``capture`` runs later if the kept capture fails
-            log.info("rule %s fired: its capture taken on pending is kept", t.rule.name)
+        failed = captures.pending.fire(key, capture)
+        if failed is not None:
+            log.info("rule %s fired: its capture taken on pending is kept%s", t.rule.name,
+                     f"; captured anew where it failed ({', '.join(failed)})" if failed else "")
+            for job in failed:
+                capture(job)
             return
     else:
         entry = captures.pending.open(key, t.rule.for_seconds, max(GRACE_SECONDS, 3 * interval), drop_at)
@@ -209,6 +234,8 @@ class RingWorker:
         except ValueError:
             pass
         self.close(wait=0.0)
+        if self.pool.stopping:  # the agent killed it
+            return {"status": "failed", "reason": "agent_stopped", "detail": "the agent stopped during the capture"}
         said = line.strip()[:300] or " / ".join(list(self._stderr)[-3:])[-300:] or "no output"
         return {"status": "failed", "reason": "timeout" if not ready else "error",
                 "detail": f"the snapshot worker gave no answer within {timeout:.0f}s" if not ready
@@ -273,15 +300,18 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
                 discard(service, record, outcome)
                 return
             record.context["snapshots"] = result.get("snapshots", [])
+            again = _failure(service, record, entry, result) if result["status"] == "failed" else None
             _apply(record, result, service.clock.time(), s.analyze)
-            if record.status == "failed":
-                _failed(service, record, entry)
+            if again is not None:
+                again(record.job)
             return
         ring.close()
         if armed.get("status") != "unimplemented":
+            again = _failure(service, record, entry, armed)
             _apply(record, armed, service.clock.time(), s.analyze)
             service.policy.release(admission)
-            _failed(service, record, entry)
+            if again is not None:
+                again(record.job)
             return
         log.info("capture %s: %s; one capture at pending instead", record.id, armed.get("detail"))
     record.context["mode"] = "capture"
@@ -294,23 +324,30 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
         if outcome != FIRED:
             discard(service, record, outcome)
             return
+    again = None if traced else _failure(service, record, entry, {"reason": taken.reason})
     for name in ("reason", "detail", "files", "finished_at", "bytes", "status"):  # status last: a whole record
         setattr(record, name, getattr(taken, name))
-    if not traced:  # the record says so now, not when the rule decides
-        _failed(service, record, entry)
+    if again is not None:  # the record says it failed now, not when the rule decides
+        again(record.job)
 
 
-def _failed(service: CaptureService, record: CaptureRecord, entry: PendingEntry) -> None:
-    """The capture taken on pending failed (no server, no trace, a timeout): it does not take the firing's turn.
-    The rule's cooldown it booked is lifted, once per cooldown (a rule whose captures keep failing still waits),
-    and a firing that came during it captures now; one still to come captures the usual way."""
+def _failure(service: CaptureService, record: CaptureRecord, entry: PendingEntry,
+             result: dict[str, Any]) -> Recapture | None:
+    """The capture taken on pending failed (no server, no trace, a timeout): it does not take the firing's turn. A
+    job that died is held (``captures.hold``); the rule's cooldown the capture booked is lifted, once per cooldown
+    (shared with a contended capture's: a rule whose captures keep failing still waits); and if the rule has fired,
+    its capture of the job anew is returned. Called before the record says failed, so that the next transition
+    finds all this done; what it returns runs after."""
+    service.hold_if_died(record, result)
     if record.rule:
         service.policy.forgive(record.rule, frozenset(t["address"] for t in record.targets))
-    recapture = service.pending.failed(entry)
-    if recapture is not None and record.reason != "agent_stopped":
-        log.info("capture %s taken on pending failed after rule %s fired: the firing captures anew", record.id,
-                 record.rule)
-        recapture()
+    if result.get("reason") == "agent_stopped" or service.stopping:
+        return None
+    again = service.pending.failed(entry, record.job)
+    if again is not None:
+        log.info("capture %s taken on pending failed after rule %s fired: job %s is captured anew", record.id,
+                 record.rule, record.job)
+    return again
 
 
 def _apply(record: CaptureRecord, result: dict[str, Any], now: float, analyze: bool) -> None:

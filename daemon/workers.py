@@ -116,6 +116,11 @@ class WorkerPool:
             self._keeper = threading.Thread(target=self._keep_spare, daemon=True, name=f"tfprofd-{self.name}-spare")
             self._keeper.start()
 
+    @property
+    def stopping(self) -> bool:
+        """``stop()`` ran: the workers were killed, and none starts."""
+        return self._stopping.is_set()
+
     def state(self) -> SpareState:
         with self._lock:
             spare = self._spare

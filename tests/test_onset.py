@@ -23,7 +23,7 @@ from tfprofd.daemon.pending import key_of, on_transition
 from tfprofd.daemon.policy import CapturePolicy
 from tfprofd.daemon.protos import profiler_pb2, xplane_pb2
 from tfprofd.daemon.records import RecordStore
-from tfprofd.daemon.rules import CLEARED, FIRING, PENDING, Condition, Engine, Rule, Transition
+from tfprofd.daemon.rules import CLEARED, FIRING, PENDING, RESOLVED, Condition, Engine, Rule, Transition
 from tfprofd.daemon.sampler import Snapshot as Sample
 from tfprofd.daemon.snapshot_worker import Ring, Snapshot
 from tfprofd.exporter.base import Clock
@@ -325,6 +325,167 @@ def test_a_rule_whose_captures_keep_failing_gets_at_most_two_a_cooldown(tmp_path
     assert [(r.status, r.reason) for r in records] == [("failed", "no_server")] * 2, records
     with pytest.raises(CoolingDown):
         captures.request("rule", "a", rule="throughput_drop", cooldown=900)
+
+
+def thread_ended(capture_id: str) -> bool:
+    return not [t for t in threading.enumerate() if t.name == f"tfprofd-capture-{capture_id}"]
+
+
+def test_a_ring_whose_process_died_holds_the_job_and_the_firing_does_not_recapture_it(tmp_path):
+    """The snapshot ring's process died (its port closed): the record says 'died', which holds the job's automatic
+    captures (README: 'only this reason holds the job's automatic captures'). The firing's recapture must be refused,
+    as it is after a died capture in the one-capture mode."""
+    handler = FakeProfiler(continuous=True)
+    handler.empty = {"GetSnapshot"}  # the ring holds nothing
+    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    captures = service(tmp_path, f"127.0.0.1:{port}")
+    on_transition(transition(PENDING), captures, True, 1.0, None)
+    [first] = captures.list()
+    wait_for(lambda: handler.count("GetSnapshot") >= 1, 30, message="the ring's first snapshot")
+    server.stop(0).wait()  # the job's process dies: its port closes
+    on_transition(transition(FIRING), captures, True, 1.0, None)
+    first = ended(captures, first.id)
+    assert (first.status, first.reason) == ("failed", "died"), first
+    wait_for(lambda: thread_ended(first.id), 30, message="the capture thread (and its _failed) to end")
+    assert len(captures.list()) == 1, [(r.id, r.status, r.reason) for r in captures.list()]
+    assert "a" in captures.policy.held(), "a died ring does not hold the job"
+
+
+class HangingSnapshots(FakeProfiler):
+    """GetSnapshot hangs once ``hang`` is set (a slow last snapshot while the ring is kept)."""
+
+    def __init__(self):
+        super().__init__(continuous=True)
+        self.hang, self.release, self.hanging = threading.Event(), threading.Event(), threading.Event()
+
+    def service(self, details):
+        handler = super().service(details)
+        if handler is None or not details.method.endswith("/GetSnapshot"):
+            return handler
+        inner = handler.unary_unary
+
+        def answer(request, context):
+            if self.hang.is_set():
+                self.hanging.set()
+                self.release.wait(60)
+            return inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(answer)
+
+
+def test_no_recapture_is_started_after_the_agent_stopped(tmp_path):
+    """The rule fired and kept the ring; the agent stops while the ring's last snapshot is taken (stop kills the
+    ring's worker). No capture may start after that."""
+    handler = HangingSnapshots()
+    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        captures = service(tmp_path, f"127.0.0.1:{port}")
+        on_transition(transition(PENDING), captures, True, 1.0, None)
+        [first] = captures.list()
+        wait_for(lambda: handler.count("GetSnapshot") >= 1, 30, message="the ring's first snapshot")
+        handler.hang.set()
+        on_transition(transition(FIRING), captures, True, 1.0, None)
+        wait_for(handler.hanging.is_set, 30, message="a snapshot that hangs")
+        captures.stop()
+        first = ended(captures, first.id)
+        wait_for(lambda: thread_ended(first.id), 30, message="the capture thread (and its _failed) to end")
+        records = captures.list()
+    finally:
+        handler.release.set()
+        server.stop(0)
+    assert len(records) == 1, [(r.id, r.trigger, r.status, r.reason, r.detail) for r in records]
+
+
+def test_one_jobs_failed_capture_at_pending_does_not_discard_another_jobs_good_one(tmp_path):
+    """A rule without a training_job label (a GPU's or the host's) captures every job it covers, all waiting on one
+    pending entry. Job b's capture fails at once (nothing answers); job a's is traced. b's failure must not decide
+    the shared entry 'cleared' and so discard a's good capture: the rule then fires and a's capture is its turn.
+    b is captured anew for the firing."""
+    handler = FakeProfiler(continuous=False)
+    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    dead = f"127.0.0.1:{free_port()}"
+
+    class TwoJobs(Registry):
+        def targets(self, job, gpu):
+            groups = [[Target("a", "0", f"127.0.0.1:{port}")], [Target("b", "0", dead)]]
+            return [g for g in groups if job in (None, g[0].job)]
+
+        def jobs(self):
+            return {"a", "b"}
+
+    try:
+        captures = service(tmp_path, "unused", snapshots=False)
+        captures.jobs = TwoJobs("unused")
+        gpu_rule = lambda kind: Transition(kind, RULE, {"gpu": "0"}, 0.5)  # noqa: E731
+        on_transition(gpu_rule(PENDING), captures, True, 1.0, None)
+        by_job = {r.job: r for r in captures.list()}
+        b = ended(captures, by_job["b"].id)
+        assert (b.status, b.reason) == ("failed", "no_server"), b
+        wait_for(lambda: thread_ended(b.id), 30, message="b's capture thread (and its _failed) to end")
+        on_transition(gpu_rule(FIRING), captures, True, 1.0, None)
+        a = ended(captures, by_job["a"].id)
+        wait_for(lambda: len(captures.list()) == 3, 30, message="b captured anew for the firing")
+    finally:
+        server.stop(0)
+    assert a.status == "done", (a.status, a.reason, a.detail)
+    again = captures.list()[0]
+    assert (again.job, again.trigger, ended(captures, again.id).reason) == ("b", "rule", "no_server")
+
+
+def test_a_failed_capture_at_pending_lifts_the_cooldown_before_its_record_says_failed(tmp_path, monkeypatch):
+    """A reader that sees the record failed (the next transition, a test) sees its cooldown lifted too, however late
+    the capture thread runs (here: 0.3 s late at lifting it)."""
+    real = CapturePolicy.forgive
+
+    def late_forgive(self, rule, addresses):
+        time.sleep(0.3)  # a busy 2-core host: the capture thread runs late
+        return real(self, rule, addresses)
+
+    monkeypatch.setattr(CapturePolicy, "forgive", late_forgive)
+    captures = service(tmp_path, f"127.0.0.1:{free_port()}", snapshots=False)
+    for _ in range(3):
+        on_transition(transition(PENDING), captures, True, 1.0, None)
+        for record in captures.list():
+            ended(captures, record.id)
+        on_transition(transition(CLEARED), captures, True, 1.0, None)
+    on_transition(transition(FIRING), captures, True, 1.0, None)
+    records = captures.list()
+    assert [(r.status, r.reason) for r in records] == [("failed", "no_server")] * 2, records
+    with pytest.raises(CoolingDown):
+        captures.request("rule", "a", rule="throughput_drop", cooldown=900)
+
+
+def test_no_recapture_for_a_firing_that_resolved_before_the_kept_capture_failed(tmp_path):
+    """The rule fires during the capture at pending (kept), then resolves; only then does that capture fail
+    (a timeout comes up to captures.timeout = 90 s later). The slowdown is over: a capture now profiles a healthy
+    job and books the cooldown a real firing would need."""
+    handler = FakeProfiler(continuous=False)
+    handler.empty, handler.gate = {"Profile"}, threading.Event()
+    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        captures = service(tmp_path, f"127.0.0.1:{port}")
+        on_transition(transition(PENDING), captures, True, 1.0, None)
+        [first] = captures.list()
+        wait_for(lambda: handler.count("Profile") == 1, 30, message="the capture at pending to reach the server")
+        on_transition(transition(FIRING), captures, True, 1.0, None)
+        on_transition(Transition(RESOLVED, RULE, {"training_job": "a"}, 5.0), captures, True, 1.0, None)
+        with handler.lock:
+            gate, handler.gate, handler.empty = handler.gate, None, set()
+        gate.set()
+        first = ended(captures, first.id)
+        wait_for(lambda: thread_ended(first.id), 30, message="the capture thread (and its _failed) to end")
+        records = captures.list()
+    finally:
+        server.stop(0)
+    assert len(records) == 1, [(r.id, r.status, r.reason) for r in records]
 
 
 def test_capture_on_pending_off_captures_when_the_rule_fires(tmp_path, profiler):
