@@ -55,7 +55,7 @@ STATUS: dict[type[DomainError], int] = {InvalidRequest: 400, AmbiguousJob: 400, 
                                         CoolingDown: 409, CaptureHeld: 409, BudgetSpent: 429,
                                         StorageError: 507, DiscoveryFailed: 502, AgentStopping: 503}
 # Domain errors an Alertmanager retry can cure: the job may start reporting, the capture finish, the disk clear.
-RETRYABLE = (NoTrainingJob, CaptureBusy, StorageError)
+RETRYABLE = (NoTrainingJob, CaptureBusy, StorageError, AgentStopping)  # the restarted agent gets the retry
 # The shipped straggler alert (prometheus/tfprofd-alerts.yaml): on the straggler's node, with a cluster to find the
 # job's other agents, it captures every worker of the job and compares the one it names with the median worker.
 STRAGGLER_ALERT = "TfprofdStraggler"

@@ -3,9 +3,11 @@ resolve, the discarded counter, budget and cooldown accounting, the UNIMPLEMENTE
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -84,14 +86,23 @@ class FakeProfiler(grpc.GenericRpcHandler):
         return grpc.unary_unary_rpc_method_handler(answer)
 
 
-@pytest.fixture(params=[True, False], ids=["continuous", "tf_before_2_21"])
-def profiler(request):
-    handler = FakeProfiler(request.param)
+@contextlib.contextmanager
+def serving(handler: FakeProfiler) -> Iterator[tuple[str, grpc.Server]]:
+    """The handler as a profiler server on loopback: its address, and the server (stopped at the end)."""
     server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    yield handler, f"127.0.0.1:{port}"
-    server.stop(0)
+    try:
+        yield f"127.0.0.1:{port}", server
+    finally:
+        server.stop(0)
+
+
+@pytest.fixture(params=[True, False], ids=["continuous", "tf_before_2_21"])
+def profiler(request):
+    handler = FakeProfiler(request.param)
+    with serving(handler) as (address, _):
+        yield handler, address
 
 
 class Registry(JobRegistry):
@@ -167,11 +178,8 @@ def test_a_pending_rule_on_a_gpu_host_takes_one_capture_and_arms_no_ring(tmp_pat
     tracer off (which survived); otherwise one capture at pending, as for TensorFlow before 2.21. The GPU is
     seen by NVML, or (NVML unreadable) by the driver's control device."""
     handler = FakeProfiler(continuous=True)
-    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        captures = service(tmp_path, f"127.0.0.1:{port}", device_tracer_level=device_tracer_level)
+    with serving(handler) as (address, _):
+        captures = service(tmp_path, address, device_tracer_level=device_tracer_level)
         if seen_by == "nvml":
             nvml_lists_a_gpu(captures)
         else:
@@ -184,8 +192,6 @@ def test_a_pending_rule_on_a_gpu_host_takes_one_capture_and_arms_no_ring(tmp_pat
         wait_for(lambda: handler.count(method) >= 1, 30, message=f"the capture at pending ({method})")
         on_transition(transition(FIRING), captures, True, 1.0, None)
         record = ended(captures, record.id)
-    finally:
-        server.stop(0)
     assert record.status == "done", record
     if device_tracer_level:
         assert record.context["mode"] == "capture" and "GPU" in record.context["mode_reason"]
@@ -283,37 +289,51 @@ def test_a_capture_at_pending_that_fails_leaves_the_firing_its_own_capture_despi
     assert handler.count("Profile") == (1 if handler.continuous else 2)
 
 
-def test_a_firing_during_the_capture_at_pending_is_not_lost_when_that_capture_fails(tmp_path):
+@pytest.mark.parametrize("resolved", [False, True], ids=["firing", "resolved"])
+def test_a_firing_during_the_capture_at_pending_is_not_lost_when_that_capture_fails(tmp_path, resolved):
     """The rule fires while the capture taken on pending still runs (a long capture; on a GPU host the 5 s watch
-    after an empty one), so the firing keeps it; then it fails. The firing then captures on its own."""
+    after an empty one), so the firing keeps it; then it fails. The firing then captures on its own, unless the rule
+    resolved first (a timeout comes up to captures.timeout, 90 s, later): the slowdown is over, and a capture then
+    would profile a healthy job and book the cooldown a real firing needs."""
     handler = FakeProfiler(continuous=False)
     handler.empty, handler.gate = {"Profile"}, threading.Event()
-    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        captures = service(tmp_path, f"127.0.0.1:{port}")
+    with serving(handler) as (address, _):
+        captures = service(tmp_path, address)
         on_transition(transition(PENDING), captures, True, 1.0, None)
         [first] = captures.list()
         wait_for(lambda: handler.count("Profile") == 1, 30, message="the capture at pending to reach the server")
         on_transition(transition(FIRING), captures, True, 1.0, None)
         assert len(captures.list()) == 1  # kept: the firing waits on it
+        if resolved:
+            on_transition(Transition(RESOLVED, RULE, {"training_job": "a"}, 5.0), captures, True, 1.0, None)
         with handler.lock:
             gate, handler.gate, handler.empty = handler.gate, None, set()  # the next call answers with a trace
         gate.set()  # the capture at pending answers now, with no events
         first = ended(captures, first.id)
         assert (first.status, first.reason) == ("failed", "empty_trace"), first
+        if resolved:
+            wait_for(lambda: thread_ended(first.id), 30, message="the capture thread to end")
+            assert len(captures.list()) == 1, [(r.id, r.status, r.reason) for r in captures.list()]
+            return
         wait_for(lambda: len(captures.list()) == 2, 30, message="the firing's own capture")
         second = ended(captures, captures.list()[0].id)
-    finally:
-        server.stop(0)
     assert (second.trigger, second.status) == ("rule", "done"), second
     assert handler.count("Profile") == 2
 
 
-def test_a_rule_whose_captures_keep_failing_gets_at_most_two_a_cooldown(tmp_path):
+@pytest.mark.parametrize("late", [False, True], ids=["prompt", "late"])
+def test_a_rule_whose_captures_keep_failing_gets_at_most_two_a_cooldown(tmp_path, monkeypatch, late):
     """A failed capture at pending hands its cooldown back once per cooldown: a flapping rule on a job whose profiler
-    never answers does not fail a capture at every pending."""
+    never answers does not fail a capture at every pending. A transition that sees the record failed sees its
+    cooldown lifted too, however late the capture thread runs (``late``: 0.3 s late at lifting it)."""
+    if late:
+        forgive = CapturePolicy.forgive
+
+        def late_forgive(self, rule, addresses):
+            time.sleep(0.3)  # a busy 2-core host: the capture thread runs late
+            return forgive(self, rule, addresses)
+
+        monkeypatch.setattr(CapturePolicy, "forgive", late_forgive)
     captures = service(tmp_path, f"127.0.0.1:{free_port()}", snapshots=False)
     for _ in range(3):
         on_transition(transition(PENDING), captures, True, 1.0, None)
@@ -337,16 +357,14 @@ def test_a_ring_whose_process_died_holds_the_job_and_the_firing_does_not_recaptu
     as it is after a died capture in the one-capture mode."""
     handler = FakeProfiler(continuous=True)
     handler.empty = {"GetSnapshot"}  # the ring holds nothing
-    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    captures = service(tmp_path, f"127.0.0.1:{port}")
-    on_transition(transition(PENDING), captures, True, 1.0, None)
-    [first] = captures.list()
-    wait_for(lambda: handler.count("GetSnapshot") >= 1, 30, message="the ring's first snapshot")
-    server.stop(0).wait()  # the job's process dies: its port closes
-    on_transition(transition(FIRING), captures, True, 1.0, None)
-    first = ended(captures, first.id)
+    with serving(handler) as (address, server):
+        captures = service(tmp_path, address)
+        on_transition(transition(PENDING), captures, True, 1.0, None)
+        [first] = captures.list()
+        wait_for(lambda: handler.count("GetSnapshot") >= 1, 30, message="the ring's first snapshot")
+        server.stop(0).wait()  # the job's process dies: its port closes
+        on_transition(transition(FIRING), captures, True, 1.0, None)
+        first = ended(captures, first.id)
     assert (first.status, first.reason) == ("failed", "died"), first
     wait_for(lambda: thread_ended(first.id), 30, message="the capture thread (and its _failed) to end")
     assert len(captures.list()) == 1, [(r.id, r.status, r.reason) for r in captures.list()]
@@ -379,11 +397,8 @@ def test_no_recapture_is_started_after_the_agent_stopped(tmp_path):
     """The rule fired and kept the ring; the agent stops while the ring's last snapshot is taken (stop kills the
     ring's worker). No capture may start after that."""
     handler = HangingSnapshots()
-    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        captures = service(tmp_path, f"127.0.0.1:{port}")
+    with serving(handler) as (address, _):
+        captures = service(tmp_path, address)
         on_transition(transition(PENDING), captures, True, 1.0, None)
         [first] = captures.list()
         wait_for(lambda: handler.count("GetSnapshot") >= 1, 30, message="the ring's first snapshot")
@@ -394,9 +409,7 @@ def test_no_recapture_is_started_after_the_agent_stopped(tmp_path):
         first = ended(captures, first.id)
         wait_for(lambda: thread_ended(first.id), 30, message="the capture thread (and its _failed) to end")
         records = captures.list()
-    finally:
         handler.release.set()
-        server.stop(0)
     assert len(records) == 1, [(r.id, r.trigger, r.status, r.reason, r.detail) for r in records]
 
 
@@ -406,20 +419,17 @@ def test_one_jobs_failed_capture_at_pending_does_not_discard_another_jobs_good_o
     the shared entry 'cleared' and so discard a's good capture: the rule then fires and a's capture is its turn.
     b is captured anew for the firing."""
     handler = FakeProfiler(continuous=False)
-    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
     dead = f"127.0.0.1:{free_port()}"
+    with serving(handler) as (address, _):
 
-    class TwoJobs(Registry):
-        def targets(self, job, gpu):
-            groups = [[Target("a", "0", f"127.0.0.1:{port}")], [Target("b", "0", dead)]]
-            return [g for g in groups if job in (None, g[0].job)]
+        class TwoJobs(Registry):
+            def targets(self, job, gpu):
+                groups = [[Target("a", "0", address)], [Target("b", "0", dead)]]
+                return [g for g in groups if job in (None, g[0].job)]
 
-        def jobs(self):
-            return {"a", "b"}
+            def jobs(self):
+                return {"a", "b"}
 
-    try:
         captures = service(tmp_path, "unused", snapshots=False)
         captures.jobs = TwoJobs("unused")
         gpu_rule = lambda kind: Transition(kind, RULE, {"gpu": "0"}, 0.5)  # noqa: E731
@@ -431,61 +441,9 @@ def test_one_jobs_failed_capture_at_pending_does_not_discard_another_jobs_good_o
         on_transition(gpu_rule(FIRING), captures, True, 1.0, None)
         a = ended(captures, by_job["a"].id)
         wait_for(lambda: len(captures.list()) == 3, 30, message="b captured anew for the firing")
-    finally:
-        server.stop(0)
     assert a.status == "done", (a.status, a.reason, a.detail)
     again = captures.list()[0]
     assert (again.job, again.trigger, ended(captures, again.id).reason) == ("b", "rule", "no_server")
-
-
-def test_a_failed_capture_at_pending_lifts_the_cooldown_before_its_record_says_failed(tmp_path, monkeypatch):
-    """A reader that sees the record failed (the next transition, a test) sees its cooldown lifted too, however late
-    the capture thread runs (here: 0.3 s late at lifting it)."""
-    real = CapturePolicy.forgive
-
-    def late_forgive(self, rule, addresses):
-        time.sleep(0.3)  # a busy 2-core host: the capture thread runs late
-        return real(self, rule, addresses)
-
-    monkeypatch.setattr(CapturePolicy, "forgive", late_forgive)
-    captures = service(tmp_path, f"127.0.0.1:{free_port()}", snapshots=False)
-    for _ in range(3):
-        on_transition(transition(PENDING), captures, True, 1.0, None)
-        for record in captures.list():
-            ended(captures, record.id)
-        on_transition(transition(CLEARED), captures, True, 1.0, None)
-    on_transition(transition(FIRING), captures, True, 1.0, None)
-    records = captures.list()
-    assert [(r.status, r.reason) for r in records] == [("failed", "no_server")] * 2, records
-    with pytest.raises(CoolingDown):
-        captures.request("rule", "a", rule="throughput_drop", cooldown=900)
-
-
-def test_no_recapture_for_a_firing_that_resolved_before_the_kept_capture_failed(tmp_path):
-    """The rule fires during the capture at pending (kept), then resolves; only then does that capture fail
-    (a timeout comes up to captures.timeout = 90 s later). The slowdown is over: a capture now profiles a healthy
-    job and books the cooldown a real firing would need."""
-    handler = FakeProfiler(continuous=False)
-    handler.empty, handler.gate = {"Profile"}, threading.Event()
-    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        captures = service(tmp_path, f"127.0.0.1:{port}")
-        on_transition(transition(PENDING), captures, True, 1.0, None)
-        [first] = captures.list()
-        wait_for(lambda: handler.count("Profile") == 1, 30, message="the capture at pending to reach the server")
-        on_transition(transition(FIRING), captures, True, 1.0, None)
-        on_transition(Transition(RESOLVED, RULE, {"training_job": "a"}, 5.0), captures, True, 1.0, None)
-        with handler.lock:
-            gate, handler.gate, handler.empty = handler.gate, None, set()
-        gate.set()
-        first = ended(captures, first.id)
-        wait_for(lambda: thread_ended(first.id), 30, message="the capture thread (and its _failed) to end")
-        records = captures.list()
-    finally:
-        server.stop(0)
-    assert len(records) == 1, [(r.id, r.status, r.reason) for r in records]
 
 
 def test_capture_on_pending_off_captures_when_the_rule_fires(tmp_path, profiler):
@@ -511,40 +469,32 @@ def test_the_ring_is_bounded_in_count_and_bytes():
 
 def test_a_ring_worker_keeps_only_the_newest_snapshots(tmp_path):
     handler = FakeProfiler(True)
-    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        captures = service(tmp_path, f"127.0.0.1:{port}", snapshot_keep=2)
+    with serving(handler) as (address, _):
+        captures = service(tmp_path, address, snapshot_keep=2)
         on_transition(transition(PENDING), captures, True, 1.0, None)
         wait_for(lambda: handler.count("GetSnapshot") >= 4, 30, message="four snapshots")
         on_transition(transition(FIRING), captures, True, 1.0, None)
         record = ended(captures, captures.list()[0].id)
-    finally:
-        server.stop(0)
     assert record.status == "done" and len(record.files) == 2 and "older ones dropped" in record.detail
 
 
 def test_a_ring_is_armed_in_the_capture_worker_started_ahead_and_a_new_one_waits(tmp_path):
     handler = FakeProfiler(True)
-    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    captures = service(tmp_path, f"127.0.0.1:{port}")
-    captures.start_workers()
-    try:
-        wait_for(lambda: captures.capture_workers.state().ready, 60, message="a capture worker started ahead")
-        first = captures.capture_workers.state().pid
-        on_transition(transition(PENDING), captures, True, 1.0, None)
-        wait_for(lambda: handler.count("StartContinuousProfiling") == 1, 30, message="the ring armed")
-        wait_for(lambda: captures.capture_workers.state().ready, 60, message="a new worker started ahead")
-        on_transition(transition(FIRING), captures, True, 1.0, None)
-        record = ended(captures, captures.list()[0].id)
-        used = next(f for f in captures.collect() if f.name == "tfprofd_capture_workers_used")
-        used = {s.labels["start"]: s.value for s in used.samples if s.name.endswith("_total")}
-    finally:
-        captures.stop()
-        server.stop(0)
+    with serving(handler) as (address, _):
+        captures = service(tmp_path, address)
+        captures.start_workers()
+        try:
+            wait_for(lambda: captures.capture_workers.state().ready, 60, message="a capture worker started ahead")
+            first = captures.capture_workers.state().pid
+            on_transition(transition(PENDING), captures, True, 1.0, None)
+            wait_for(lambda: handler.count("StartContinuousProfiling") == 1, 30, message="the ring armed")
+            wait_for(lambda: captures.capture_workers.state().ready, 60, message="a new worker started ahead")
+            on_transition(transition(FIRING), captures, True, 1.0, None)
+            record = ended(captures, captures.list()[0].id)
+            used = next(f for f in captures.collect() if f.name == "tfprofd_capture_workers_used")
+            used = {s.labels["start"]: s.value for s in used.samples if s.name.endswith("_total")}
+        finally:
+            captures.stop()
     assert record.status == "done" and record.context["mode"] == "snapshots" and record.files
     assert used == {"prestarted": 1, "cold": 0}  # arming was an RPC, not a process start
     assert captures.capture_workers.state().pid != first
