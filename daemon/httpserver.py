@@ -40,6 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 log = logging.getLogger("tfprofd.http")
 
 MAX_HEADER_BYTES = 16 * 1024
+ACCEPT_RETRY_S = 0.5  # out of descriptors with no connection to evict: the next try to accept
 MAX_JSON_INT_DIGITS = 32  # far past any count or id a request carries; Python's own limit (4300) answers 500
 _REQUEST_LINE = re.compile(rb"([A-Z]{1,16}) ([!-~]{1,8192}) HTTP/(1\.[01])")
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
@@ -148,7 +149,8 @@ class EventLoop:
         self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._woken)
         self._calls: deque[Callable[[], None]] = deque()
-        self._timers: list[tuple[float, int, Timer]] = []  # a heap; cancelled ones are dropped when they come up
+        self._timers: list[tuple[float, int, Timer]] = []  # a heap; cancelled ones leave at their time or a compaction
+        self.cancelled = 0  # timers in the heap that were cancelled
         self._order = itertools.count()
         self._running = True
         self._thread = threading.Thread(target=self._run, name="tfprofd-http", daemon=True)
@@ -176,9 +178,19 @@ class EventLoop:
         with contextlib.suppress(OSError):  # full: a wake is pending anyway
             self._wake_w.send(b"\0")
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread at its next turn, not within the caller (loop thread only)."""
+        self._calls.append(fn)
+
     def call_later(self, delay: float, fn: Callable[[], None]) -> Timer:
-        """Run ``fn`` on the loop thread in ``delay`` seconds unless the timer is cancelled (loop thread only)."""
-        timer = Timer(fn)
+        """Run ``fn`` on the loop thread in ``delay`` seconds unless the timer is cancelled (loop thread only).
+        A connection books 3–4 timers a request and cancels most: once over half the heap is cancelled ones, the
+        heap is rebuilt without them (as asyncio does), so it follows the timers that can still run."""
+        if self.cancelled > 64 and 2 * self.cancelled > len(self._timers):
+            self._timers = [entry for entry in self._timers if not entry[2].cancelled]
+            heapq.heapify(self._timers)
+            self.cancelled = 0
+        timer = Timer(fn, self)
         heapq.heappush(self._timers, (time.monotonic() + delay, next(self._order), timer))
         return timer
 
@@ -210,6 +222,7 @@ class EventLoop:
         while self._running:
             while self._timers and self._timers[0][2].cancelled:
                 heapq.heappop(self._timers)
+                self.cancelled -= 1
             timeout = 0.0 if self._calls else (
                 max(0.0, self._timers[0][0] - time.monotonic()) if self._timers else None)
             for key, _ in self._selector.select(timeout):
@@ -217,7 +230,10 @@ class EventLoop:
             now = time.monotonic()
             while self._timers and self._timers[0][0] <= now:
                 timer = heapq.heappop(self._timers)[2]
-                if not timer.cancelled:
+                if timer.cancelled:
+                    self.cancelled -= 1
+                else:
+                    timer.done = True
                     self._safely(timer.fn)
             while self._calls:
                 self._safely(self._calls.popleft())
@@ -236,14 +252,18 @@ class EventLoop:
 class Timer:
     """A call the loop makes at a time, unless cancelled first."""
 
-    __slots__ = ("cancelled", "fn")
+    __slots__ = ("cancelled", "done", "fn", "loop")
 
-    def __init__(self, fn: Callable[[], None]):
+    def __init__(self, fn: Callable[[], None], loop: EventLoop):
         self.fn = fn
-        self.cancelled = False
+        self.loop = loop
+        self.cancelled = self.done = False
 
     def cancel(self) -> None:
+        if self.cancelled or self.done:
+            return
         self.cancelled = True
+        self.loop.cancelled += 1
         self.fn = _nothing  # what it would have run (a connection, its answer) is not held until its time comes
 
 
@@ -306,6 +326,7 @@ class HttpServer:
         self._pool = concurrent.futures.ThreadPoolExecutor(handler_threads, thread_name_prefix=f"tfprofd-{name}")
         self._conns: OrderedDict[int, _Conn] = OrderedDict()  # the longest waiting first
         self._loop: EventLoop | None = None
+        self._accepting = False
         self._errors_logged: set[str] = set()
 
     @property
@@ -315,7 +336,7 @@ class HttpServer:
 
     def start(self, loop: EventLoop) -> None:
         self._loop = loop
-        loop.call(lambda: loop.watch(self._sock, selectors.EVENT_READ, self._on_accept))
+        loop.call(lambda: self._accept(True))
 
     def stop(self, loop: EventLoop) -> None:
         def close() -> None:
@@ -332,29 +353,49 @@ class HttpServer:
 
     # ---- connections (on the loop thread) ----
 
+    def _accept(self, on: bool) -> None:
+        """Watch the listening socket for connections, or stop watching it: every slot is busy, or descriptors ran
+        out (new connections wait in the backlog; the readable socket would otherwise wake the loop without end)."""
+        if on == self._accepting or self._sock.fileno() < 0:
+            return
+        self._accepting = on
+        assert self._loop is not None
+        if on:
+            self._loop.watch(self._sock, selectors.EVENT_READ, self._on_accept)
+        else:
+            self._loop.unwatch(self._sock)
+
     def _on_accept(self) -> None:
+        fresh: set[int] = set()  # accepted just now: not read yet, so not waiting either
         for _ in range(64):
-            if len(self._conns) >= self.max_connections and not self._evict():
-                return  # every slot is busy serving: leave the rest in the backlog for a moment
+            if len(self._conns) >= self.max_connections and not self._evict(fresh):
+                self._accept(False)  # every slot is busy serving: watched again when one is free or waits
+                return
             try:
                 sock, peer = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM) and self._evict():
-                    continue
-                if exc.errno not in (errno.ECONNABORTED, errno.EPROTO):
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    if self._evict(fresh):
+                        continue
+                    log.warning("%s: accept failed: %s; trying again in %.1fs", self.name, exc, ACCEPT_RETRY_S)
+                    self._accept(False)
+                    assert self._loop is not None
+                    self._loop.call_later(ACCEPT_RETRY_S, lambda: self._accept(True))
+                elif exc.errno not in (errno.ECONNABORTED, errno.EPROTO):
                     log.warning("%s: accept failed: %s", self.name, exc)
                 return
             sock.setblocking(False)
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = self._conns[id(sock)] = _Conn(sock, str(peer[0]) if isinstance(peer, tuple) else "")
+            fresh.add(id(sock))
             self._await_request(conn, self.request_timeout)
 
-    def _evict(self) -> bool:
-        """Close the connection that has waited longest for a request; False if every one is busy."""
-        conn = next((c for c in self._conns.values() if c.waiting), None)
+    def _evict(self, fresh: set[int]) -> bool:
+        """Close the connection that has waited longest for a request (not one of ``fresh``); False if none waits."""
+        conn = next((c for key, c in self._conns.items() if c.waiting and key not in fresh), None)
         if conn is None:
             return False
         self._close(conn)
@@ -371,6 +412,7 @@ class HttpServer:
         assert self._loop is not None
         self._loop.unwatch(conn.sock)
         conn.sock.close()
+        self._accept(True)  # a slot is free
 
     def _expire(self, conn: _Conn) -> None:
         log.debug("%s: connection from %s ended: timed out (%s)", self.name, conn.peer, conn.state)
@@ -389,8 +431,9 @@ class HttpServer:
         self._conns.move_to_end(id(conn.sock))
         self._limit(conn, timeout)
         self._loop.watch(conn.sock, selectors.EVENT_READ, lambda: self._on_readable(conn))
-        if conn.buffer:  # a request sent before the last answer (pipelined)
-            self._advance(conn)
+        self._accept(True)  # it waits: it may be evicted for a new one
+        if conn.buffer:  # a request sent before the last answer (pipelined): at the loop's next turn, not nested
+            self._loop.call_soon(lambda: self._advance(conn))
 
     def _on_readable(self, conn: _Conn) -> None:
         try:
@@ -423,10 +466,18 @@ class HttpServer:
                 if self.authenticate is not None:
                     self.authenticate(request)
                 conn.route, request.params = self.router.resolve(request.method, request.path)
-                conn.body_length = self._body_length(conn, request)
+                conn.body_length = self._body_length(request)
             except HttpError as exc:
                 self._refuse(conn, exc.status, exc.reason, **exc.extra)
                 return
+            if conn.body_length and not conn.buffer and request.headers.get("expect", "").lower() == "100-continue":
+                try:  # 25 bytes to a socket that has sent only a head: its buffer is empty
+                    sent = conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+                except OSError:
+                    sent = 0
+                if sent != 25:  # a part of it would break the answer's framing
+                    self._close(conn)
+                    return
             conn.request, conn.state = request, BODY
             self._limit(conn, self.request_timeout)  # evictable while it waits for the body
         if conn.state == BODY and len(conn.buffer) >= conn.body_length:
@@ -456,16 +507,19 @@ class HttpServer:
             headers[key] = f"{headers[key]}, {text}" if key in headers else text
         if "transfer-encoding" in headers:
             raise HttpError(411, "Transfer-Encoding is not accepted: send the body with a Content-Length")
-        parts = urlsplit(match.group(2).decode("ascii"))
-        return Request(match.group(1).decode(), parts.path, parse_qs(parts.query), headers, peer=peer), \
-            match.group(3).decode()
+        try:
+            parts = urlsplit(match.group(2).decode("ascii"))
+            query = parse_qs(parts.query)
+        except ValueError as exc:  # an IPv6 host without its bracket, ...
+            raise HttpError(400, f"malformed request target: {exc}") from None
+        return Request(match.group(1).decode(), parts.path, query, headers, peer=peer), match.group(3).decode()
 
     @staticmethod
     def _keep_alive(request: Request, version: str) -> bool:
         connection = request.headers.get("connection", "").lower()
         return "close" not in connection and (version == "1.1" or "keep-alive" in connection)
 
-    def _body_length(self, conn: _Conn, request: Request) -> int:
+    def _body_length(self, request: Request) -> int:
         raw = request.headers.get("content-length")
         if raw is None:
             return 0
@@ -476,9 +530,6 @@ class HttpServer:
             raise HttpError(400, f"a {request.method} request takes no body (got Content-Length: {length})")
         if length > self.max_body():
             raise HttpError(413, f"body larger than {self.max_body()} bytes")
-        if length and not conn.buffer and request.headers.get("expect", "").lower() == "100-continue":
-            with contextlib.suppress(OSError):  # 25 bytes to a socket that has sent a head: the buffer takes them
-                conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
         return length
 
     def _dispatch(self, conn: _Conn, route: Route, request: Request) -> None:
@@ -489,7 +540,7 @@ class HttpServer:
             conn.deadline.cancel()
         self._loop.unwatch(conn.sock)
         if route.inline:
-            self._send(conn, request.method, self._handle(route, request), conn.keep)
+            self._answer(conn, request.method, self._handle(route, request))
             return
         loop = self._loop
         try:
@@ -505,7 +556,16 @@ class HttpServer:
         if future.cancelled():
             self._close(conn)
             return
-        self._send(conn, request.method, future.result(), conn.keep)
+        self._answer(conn, request.method, future.result())
+
+    def _answer(self, conn: _Conn, method: str, response: Response) -> None:
+        """Send a handler's response; one that cannot be sent (not a Response, a header that is not latin-1) closes
+        the connection rather than leave it busy, unwatched and past every timeout."""
+        try:
+            self._send(conn, method, response, conn.keep)
+        except Exception:
+            log.exception("%s: the answer to %s could not be sent", self.name, conn.peer)
+            self._close(conn)
 
     def _handle(self, route: Route, request: Request) -> Response:
         started = time.monotonic()

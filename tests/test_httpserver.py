@@ -4,9 +4,12 @@ callback that raises, and a stop with connections open."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -17,23 +20,32 @@ from helpers import wait_for
 BIG = 32 * 1024 * 1024  # more than loopback's socket buffers hold: the server must wait for the reader
 
 
-@pytest.fixture
-def served():
-    """A server with a few routes on its own loop; yields (server, port, calls), calls: the POST bodies acted on."""
+@contextlib.contextmanager
+def serving(**settings: Any) -> Iterator[tuple[HttpServer, int, list[bytes], EventLoop]]:
+    """A server with a few routes on its own loop: (server, port, the POST bodies acted on, loop)."""
     calls: list[bytes] = []
     router = Router()
     router.add("GET", "/small", lambda r: Response(200, b"small\n", "text/plain"), inline=True)
     router.add("GET", "/big", lambda r: Response(200, b"x" * BIG, "text/plain"))
     router.add("GET", "/boom", lambda r: 1 / 0)
+    router.add("GET", "/unsendable", lambda r: Response(200, b"", headers={"X-Name": "\u2019"}))
     router.add("POST", "/act", lambda r: (calls.append(r.body), json_response(200, {"got": len(r.body)}))[1])
     loop = EventLoop()
-    server = HttpServer("test", ("127.0.0.1", 0), router, max_body=lambda: 1024, idle_timeout=1.0,
-                        request_timeout=1.0)
+    server = HttpServer("test", ("127.0.0.1", 0), router, max_body=lambda: 1024,
+                        **{"idle_timeout": 1.0, "request_timeout": 1.0, **settings})
     loop.start()
     server.start(loop)
-    yield server, server.address[1], calls, loop
-    server.stop(loop)
-    loop.stop()
+    try:
+        yield server, server.address[1], calls, loop
+    finally:
+        server.stop(loop)
+        loop.stop()
+
+
+@pytest.fixture
+def served():
+    with serving() as running:
+        yield running
 
 
 def connect(port: int) -> socket.socket:
@@ -203,3 +215,67 @@ def test_a_request_handler_sees_the_request_as_sent(served):
     assert (r.method, r.path, r.params, r.query, r.body) == ("PUT", "/echo/abc", {"name": "abc"}, {"x": ["1", "2"]},
                                                              b"ok")
     assert r.headers["x-thing"] == "v" and r.peer == "127.0.0.1"
+
+
+def test_hundreds_of_pipelined_requests_are_all_answered(served):
+    """Answered one after another at the loop's turns: nested, 400 small answers ran out of stack at 197."""
+    _, port, _, _ = served
+    with connect(port) as sock:
+        sock.sendall(b"GET /small HTTP/1.1\r\nHost: x\r\n\r\n" * 400)
+        assert answers(sock, 400) == [(200, b"small\n")] * 400
+
+
+def test_at_the_bound_a_new_client_waits_for_a_free_slot_rather_than_being_reset():
+    """Every slot busy sending an answer: a new connection is accepted (none is evicted: none waits for a request,
+    and the one just accepted has not waited at all) when a slot frees."""
+    with serving(max_connections=4, request_timeout=30.0) as (server, port, _, _):
+        readers = [connect(port) for _ in range(3)]
+        for sock in readers:
+            sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        wait_for(lambda: sum(c.state == "sending" for c in list(server._conns.values())) == 3, 30,
+                 message="three slow readers being answered")
+        with connect(port) as fourth:  # within the bound: served at once
+            fourth.sendall(b"GET /small HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert answers(fourth, 1) == [(200, b"small\n")]
+        blocker = connect(port)
+        blocker.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        wait_for(lambda: sum(c.state == "sending" for c in list(server._conns.values())) == 4, 30,
+                 message="four slow readers: every slot busy")
+        with connect(port) as fifth:  # waits in the backlog
+            fifth.sendall(b"GET /small HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert closed(readers[0])  # it reads its answer to the end: its slot frees
+            assert answers(fifth, 1) == [(200, b"small\n")]
+        assert server.evicted == 0
+        for sock in [*readers, blocker]:
+            sock.close()
+
+
+def test_an_answer_that_cannot_be_sent_closes_its_connection(served):
+    server, port, _, _ = served
+    with connect(port) as sock:
+        sock.sendall(b"GET /unsendable HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(1024) == b""  # closed, not left busy past every timeout
+    wait_for(lambda: not server._conns, 10, message="no connection held")
+
+
+def test_a_malformed_request_target_gets_400(served):
+    _, port, _, _ = served
+    with connect(port) as sock:
+        sock.sendall(b"GET http://[::1/small HTTP/1.1\r\nHost: x\r\n\r\n")
+        [(status, body)] = answers(sock, 1)
+    assert status == 400 and b"malformed request target" in body
+
+
+def test_the_deadlines_of_many_requests_do_not_pile_up(served):
+    """Each request books and cancels a few deadlines; the cancelled ones do not stay in the loop's heap for the
+    idle timeout (20,000 requests held 3.7 MB) while an earlier deadline still waits."""
+    _, port, _, loop = served
+    idle = connect(port)
+    idle.sendall(b"GET /small HTTP/1.1\r\nHost: x\r\n\r\n")
+    answers(idle, 1)
+    with connect(port) as sock:
+        for _ in range(20):
+            sock.sendall(b"GET /small HTTP/1.1\r\nHost: x\r\n\r\n" * 100)
+            answers(sock, 100)
+        assert loop.call(lambda: len(loop._timers)) < 300
+    idle.close()
