@@ -219,6 +219,13 @@ class EventLoop:
                 pass
 
     def _run(self) -> None:
+        try:
+            self._turns()
+        except BaseException:  # never expected: say so, as /metrics and the control API stop answering
+            log.exception("the HTTP loop died: /metrics and the control API no longer answer")
+            raise
+
+    def _turns(self) -> None:
         while self._running:
             while self._timers and self._timers[0][2].cancelled:
                 heapq.heappop(self._timers)

@@ -66,7 +66,12 @@ def test_xid_events_are_counted_once_each(agents, gpus):
     agent = agents(env=gpus.env())
     gpus.update_gpu(1, xid_events=[79, 79, 48])
     uuid = gpus.state["gpus"][1]["uuid"]
-    wait_for(lambda: metric_value(agent.scrape(), "tfprofd_gpu_xid_errors_total", gpu="1", xid="79") == 2, 10,
-             message="two XID 79 errors")
-    assert metric_value(agent.scrape(), "tfprofd_gpu_xid_errors_total", gpu="1", uuid=uuid, xid="48") == 1
+
+    def counted() -> tuple[float | None, float | None]:
+        body = agent.scrape()
+        return tuple(metric_value(body, "tfprofd_gpu_xid_errors_total", gpu="1", uuid=uuid, xid=xid)
+                     for xid in ("79", "48"))
+
+    wait_for(lambda: counted() == (2, 1), 30, message="two XID 79 errors and one XID 48")  # one at a time, in order
+    assert counted() == (2, 1)
     assert "XID 79 on GPU 1" in agent.log()
