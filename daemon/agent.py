@@ -206,6 +206,8 @@ class Agent:
             logs.setup(new.core.log_level)
             for t in self.engine.set_rules(list(new.rules)):
                 log_transition(t)
+                if t.rule.capture and self.captures is not None:  # nothing kept or captured anew for it
+                    on_transition(t, self.captures, new.captures.on_pending, new.core.interval, None)
             try:
                 self._apply()
             except OSError as exc:

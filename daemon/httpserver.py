@@ -376,8 +376,9 @@ class HttpServer:
         fresh: set[int] = set()  # accepted just now: not read yet, so not waiting either
         for _ in range(64):
             if len(self._conns) >= self.max_connections and not self._evict(fresh):
-                self._accept(False)  # every slot is busy serving: watched again when one is free or waits
-                return
+                if not self._fresh_waiting(fresh):  # every slot is busy serving: watched again when one is free
+                    self._accept(False)  # or waits
+                return  # else one of those just accepted is evicted at the loop's next turn
             try:
                 sock, peer = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -386,6 +387,8 @@ class HttpServer:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     if self._evict(fresh):
                         continue
+                    if self._fresh_waiting(fresh):
+                        return  # one of them is evicted at the loop's next turn
                     log.warning("%s: accept failed: %s; trying again in %.1fs", self.name, exc, ACCEPT_RETRY_S)
                     self._accept(False)
                     assert self._loop is not None
@@ -399,6 +402,9 @@ class HttpServer:
             conn = self._conns[id(sock)] = _Conn(sock, str(peer[0]) if isinstance(peer, tuple) else "")
             fresh.add(id(sock))
             self._await_request(conn, self.request_timeout)
+
+    def _fresh_waiting(self, fresh: set[int]) -> bool:
+        return any(self._conns[key].waiting for key in fresh if key in self._conns)
 
     def _evict(self, fresh: set[int]) -> bool:
         """Close the connection that has waited longest for a request (not one of ``fresh``); False if none waits."""

@@ -160,6 +160,10 @@ def on_transition(t: Transition, captures: CaptureService, on_pending: bool, int
             if entry is not None:
                 captures.pending.clear(key)  # nothing waits on it: the firing captures the usual way
             log.info("rule %s: no capture%s: %s", t.rule.name, f" of job {job}" if job else "", exc.reason)
+        except Exception:  # the rules' thread or a capture's goes on (a thread that cannot start, ...)
+            if entry is not None:
+                captures.pending.clear(key)
+            log.exception("rule %s: the capture%s could not start", t.rule.name, f" of job {job}" if job else "")
 
     if t.kind == FIRING:
         failed = captures.pending.fire(key, capture)
@@ -307,16 +311,22 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
             return
         ring.close()
         if armed.get("status") != "unimplemented":
+            service.policy.release(admission)  # before the failure is known: the firing may capture anew at once
             again = _failure(service, record, entry, armed)
             _apply(record, armed, service.clock.time(), s.analyze)
-            service.policy.release(admission)
             if again is not None:
                 again(record.job)
             return
         log.info("capture %s: %s; one capture at pending instead", record.id, armed.get("detail"))
     record.context["mode"] = "capture"
     taken = replace(record)  # the record stays running until the rule decides
-    service._capture(taken, request, admission, before)
+    try:
+        service._capture(taken, request, admission, before)
+    except Exception as exc:  # the capture failed: the firing's turn is kept all the same
+        log.exception("capture %s failed unexpectedly", record.id)
+        service.policy.release(admission)
+        taken.status, taken.reason, taken.detail = "failed", "error", f"{type(exc).__name__}: {exc}"
+        taken.finished_at = service.clock.time()
     record.started_at, record.host = taken.started_at, taken.host
     traced = taken.status in ("done", "analyzing")
     if traced:

@@ -397,7 +397,7 @@ class Engine:
     _keys: dict[str, dict[int, tuple[dict[str, str], Labels]]] = field(default_factory=dict)
 
     def set_rules(self, rules: list[Rule]) -> list[Transition]:
-        """Replace the rules; firing series of rules that are gone or changed resolve."""
+        """Replace the rules; firing series of rules that are gone or changed resolve, pending ones clear."""
         with self._lock:
             old = {r.name: r for r in self.rules}
             self.rules = list(rules)
@@ -406,9 +406,10 @@ class Engine:
                 for history in histories.values():
                     history.forget_sorted()  # each rule's baseline is sorted again at its next evaluation
             kept = {r.name for r in rules if old.get(r.name) == r}
-            out = [Transition(RESOLVED, old[name], dict(labels), s.value, "rule removed or changed")
+            out = [Transition(RESOLVED if s.active else CLEARED, old[name], dict(labels), s.value,
+                              "rule removed or changed")
                    for name, states in self._states.items() if name not in kept
-                   for labels, s in states.items() if s.active]
+                   for labels, s in states.items() if s.active or s.pending_since is not None]
             for name in [n for n in self._states if n not in kept]:
                 for labels, s in self._states.pop(name).items():
                     self._set_active(labels, s, False)

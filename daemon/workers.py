@@ -191,7 +191,10 @@ class WorkerPool:
         proc = self._take_spare() if module == self.prestart and not args else None
         prestarted = proc is not None
         if proc is None:
-            proc = _spawn(module, args)
+            try:
+                proc = _spawn(module, args)
+            except OSError as exc:  # out of processes, descriptors or memory
+                return Outcome("error", None, f"cannot start a {self.name} worker: {exc}")
             with self._lock:
                 self._running.add(proc)
         with self._lock:

@@ -80,6 +80,11 @@ def closed(sock: socket.socket) -> bool:
     return True
 
 
+def served_as(server: HttpServer) -> dict[int, str]:
+    """The server's connections: the client's port -> what the server does with it."""
+    return server._loop.call(lambda: {c.sock.getpeername()[1]: c.state for c in server._conns.values()})
+
+
 def test_pipelined_requests_are_answered_in_order_on_one_connection(served):
     _, port, calls, _ = served
     with connect(port) as sock:
@@ -239,8 +244,9 @@ def test_at_the_bound_a_new_client_waits_for_a_free_slot_rather_than_being_reset
             assert answers(fourth, 1) == [(200, b"small\n")]
         blocker = connect(port)
         blocker.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        wait_for(lambda: sum(c.state == "sending" for c in list(server._conns.values())) == 4, 30,
-                 message="four slow readers: every slot busy")
+        mine = blocker.getsockname()[1]  # the fourth may still be closing: wait for this one, by its port
+        wait_for(lambda: served_as(server) == {**{r.getsockname()[1]: "sending" for r in readers}, mine: "sending"},
+                 30, message="four slow readers: every slot busy")
         with connect(port) as fifth:  # waits in the backlog
             fifth.sendall(b"GET /small HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert closed(readers[0])  # it reads its answer to the end: its slot frees
@@ -279,3 +285,24 @@ def test_the_deadlines_of_many_requests_do_not_pile_up(served):
             answers(sock, 100)
         assert loop.call(lambda: len(loop._timers)) < 300
     idle.close()
+
+
+def test_at_the_bound_a_client_that_never_asks_is_evicted_for_a_scrape_accepted_with_it():
+    """Both connect while the loop is busy, so one turn accepts both: the idle one (accepted first, not read yet)
+    cannot be evicted in that turn, but is at the next, and the scrape is answered (it waited for the idle one's
+    request timeout, 30 s here)."""
+    with serving(max_connections=2, request_timeout=30.0) as (server, port, _, loop):
+        reader = connect(port)
+        reader.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        wait_for(lambda: [c.state for c in list(server._conns.values())] == ["sending"], 30,
+                 message="one slot busy sending")
+        gate = threading.Event()
+        loop.call_soon_threadsafe(lambda: gate.wait(30))  # the loop is busy: both wait in the backlog
+        idle, scrape = connect(port), connect(port)
+        scrape.settimeout(10)
+        scrape.sendall(b"GET /small HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        gate.set()
+        assert answers(scrape, 1) == [(200, b"small\n")]
+        assert server.evicted == 1 and closed(idle)
+        for sock in (reader, idle, scrape):
+            sock.close()

@@ -59,6 +59,7 @@ class FakeProfiler(grpc.GenericRpcHandler):
         self.since = time.time_ns()
         self.empty: set[str] = set()  # methods that answer with no events (an idle process, a failed session)
         self.gate: threading.Event | None = None  # a Profile call answers only once it is set
+        self.fail: set[str] = set()  # methods that answer with an error (INTERNAL)
 
     def count(self, method: str) -> int:
         with self.lock:
@@ -70,6 +71,8 @@ class FakeProfiler(grpc.GenericRpcHandler):
             return None  # grpc answers UNIMPLEMENTED, as TensorFlow before 2.21 does
 
         def answer(request: bytes, context) -> bytes:
+            if method in self.fail:
+                context.abort(grpc.StatusCode.INTERNAL, "refused")
             with self.lock:
                 self.calls.append(method)
                 gate, empty = (self.gate if method == "Profile" else None), method in self.empty
@@ -573,3 +576,46 @@ def test_the_engine_gives_a_jobs_recent_step_times_for_the_drop_estimate():
     points = engine.history("step_seconds", {"training_job": "a"})
     assert len(points) == 8 and drop_time(points) == 6.0
     assert engine.history("step_seconds", {"training_job": "b"}) == []
+
+
+def test_a_capture_at_pending_whose_worker_cannot_start_leaves_the_firing_its_turn(tmp_path, monkeypatch):
+    """Out of processes or descriptors, the capture worker cannot start: the capture fails with that reason, and the
+    firing is not lost behind it (the cooldown it booked is lifted, the job captured anew)."""
+    from tfprofd.daemon import workers
+
+    def no_process(module, args, ready_fd=None):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(workers, "_spawn", no_process)
+    captures = service(tmp_path, f"127.0.0.1:{free_port()}", snapshots=False)
+    on_transition(transition(PENDING), captures, True, 1.0, None)
+    [first] = captures.list()
+    first = ended(captures, first.id)
+    assert (first.status, first.reason) == ("failed", "error") and "cannot start a capture worker" in first.detail
+    on_transition(transition(FIRING), captures, True, 1.0, None)
+    assert len(captures.list()) == 2  # the firing's own capture (which fails the same way)
+
+
+def test_a_ring_that_cannot_arm_frees_the_process_before_the_firing_captures_it_anew(tmp_path, monkeypatch):
+    """The profiler refuses to arm continuous profiling (an error, not UNIMPLEMENTED): the capture fails. A firing
+    that comes as the failure is recorded captures the job anew: the process is not still marked busy."""
+    from tfprofd.daemon import pending
+
+    handler = FakeProfiler(continuous=True)
+    handler.fail = {"StartContinuousProfiling"}
+    apply = pending._apply
+
+    def fired_meanwhile(record, result, now, analyze):
+        on_transition(transition(FIRING), captures, True, 1.0, None)
+        apply(record, result, now, analyze)
+
+    monkeypatch.setattr(pending, "_apply", fired_meanwhile)
+    with serving(handler) as (address, _):
+        captures = service(tmp_path, address)
+        on_transition(transition(PENDING), captures, True, 1.0, None)
+        [first] = captures.list()
+        first = ended(captures, first.id)
+        assert first.status == "failed", first
+        wait_for(lambda: len(captures.list()) == 2, 30, message="the firing's own capture")
+        second = ended(captures, captures.list()[0].id)
+    assert second.status == "done" and not second.context.get("on_pending"), second

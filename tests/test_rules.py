@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from tfprofd.daemon import config
-from tfprofd.daemon.rules import FIRING, PENDING, RESOLVED, Condition, Engine, History, Rule, aggregate, holds
+from tfprofd.daemon.rules import CLEARED, FIRING, PENDING, RESOLVED, Condition, Engine, History, Rule, aggregate, holds
 from tfprofd.exporter.registry import signal_catalog
 
 
@@ -303,3 +303,14 @@ def test_a_series_key_kept_for_a_labels_dict_handed_again_never_goes_to_another_
         assert {k: [v for _, v in engine.history("gpu_utilization", {"gpu": k})][-1]
                 for k in ("k", str(t % 3))} == {"k": 0.9, str(t % 3): 0.1 * (t % 3)}
         assert sorted(dict(key)["gpu"] for key in engine._history["gpu_utilization"]) == sorted({"k", str(t % 3)})
+
+
+def test_removing_a_pending_rule_clears_it():
+    """A reload that removes or changes a pending rule says it cleared: a capture taken on pending is discarded and
+    nothing is kept for it (it used to stay pending in the captures' books)."""
+    rule = Rule("low", "", (Condition("gpu_utilization", below=0.5),), for_seconds=60)
+    e = Scripted(rule)
+    e.observe("nvml", 0, {"gpu_utilization": [({"gpu": "0"}, 0.1)]})
+    assert [t.kind for t in e.transitions] == [PENDING]
+    [cleared] = e.engine.set_rules([])
+    assert (cleared.kind, cleared.why, cleared.labels) == (CLEARED, "rule removed or changed", {"gpu": "0"})
