@@ -449,6 +449,8 @@ class HttpServer:
             self._loop.call_soon(lambda: self._advance(conn))
 
     def _on_readable(self, conn: _Conn) -> None:
+        if not conn.waiting:  # closed by another event of the same turn (an eviction)
+            return
         try:
             data = conn.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
@@ -612,6 +614,8 @@ class HttpServer:
 
     def _on_writable(self, conn: _Conn) -> None:
         assert self._loop is not None
+        if conn.state != SENDING:  # closed meanwhile
+            return
         try:
             while conn.out:
                 sent = conn.sock.sendmsg(conn.out)
