@@ -116,8 +116,7 @@ class CaptureService:
         """Start one capture; at ``start_at_ns`` (Unix ns, a job-wide capture's common instant) if given;
         ``pending``: started as its rule went pending, kept only if the rule fires; ``lookback``: the seconds
         of the past its rule measured (the record says whether other processes starved the job then)."""
-        if self._stopping:
-            raise AgentStopping("the agent is stopping: it starts no capture")
+        self.ensure_running()
         s = self.settings()
         budget = None if trigger == "baseline" else s.max_per_hour  # baselines keep their own schedule
         admission = self.policy.admit(targets, budget, rule=rule, cooldown=cooldown, automatic=trigger != "manual")
@@ -193,6 +192,11 @@ class CaptureService:
     def stopping(self) -> bool:
         return self._stopping
 
+    def ensure_running(self) -> None:
+        """Raises AgentStopping once ``stop()`` began: no capture starts then."""
+        if self._stopping:
+            raise AgentStopping("the agent is stopping: it starts no capture")
+
     def traces_gpu(self, request: dict[str, Any]) -> bool:
         """Whether a capture traces a GPU: its device tracer is on and the host has an NVIDIA GPU (NVML lists one,
         or, where NVML cannot be read, the driver's control device exists). There a profiling session can kill the
@@ -239,16 +243,15 @@ class CaptureService:
         self.hold_if_died(record, result)
 
     def hold_if_died(self, record: CaptureRecord, result: dict[str, Any]) -> None:
-        """A worker's result says a process died during (or just after) the capture: no automatic capture of the job
-        for ``captures.hold``."""
+        """A worker's result names the processes that died during (or just after) the capture (``died``, their
+        addresses): no automatic capture of the job for ``captures.hold``."""
         died = result.get("died")
         if not died:
             return
         hold = self.settings().hold
         self.policy.hold(record.job, hold)
-        where = ", ".join(died) if isinstance(died, list) else ", ".join(t["address"] for t in record.targets)
         log.warning("capture %s: process(es) at %s of job %s died during (or just after) the capture%s", record.id,
-                    where, record.job,
+                    ", ".join(died), record.job,
                     f"; no automatic capture of the job for {hold:.0f}s (captures.hold)" if hold else "")
 
     def _host(self, measure: Callable[[HostMonitor], Any]) -> Any:

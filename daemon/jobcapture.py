@@ -33,7 +33,7 @@ from .analysis.compare import compare
 from .analysis.model import CaptureAnalysis, Comparison, WorkerAnalysis
 from .captures import CaptureService
 from .cluster import JobPeers, PeerFinder
-from .errors import AgentStopping, CaptureBusy, DomainError, InvalidRequest, NoTrainingJob
+from .errors import CaptureBusy, DomainError, InvalidRequest, NoTrainingJob
 from .forwarding import FORWARDED_HEADER
 from .records import FINISHED, ID, RecordStore, new_id
 
@@ -338,8 +338,7 @@ class JobCaptures:
         Raises InvalidRequest (no cluster configured, a bad job name), DiscoveryFailed, NoTrainingJob when
         no agent (this one included) has a worker of the job that may be asked, and CaptureBusy while a job-wide
         capture of the job, or MAX_RUNNING of any, run."""
-        if self.captures.stopping:
-            raise AgentStopping("the agent is stopping: it starts no capture")
+        self.captures.ensure_running()
         finder = self.finder()
         if not finder.settings.prometheus_url and not finder.settings.peers:
             raise InvalidRequest("a job-wide capture needs cluster.prometheus_url or cluster.peers to find the "

@@ -115,7 +115,8 @@ class Session:
         words = _REASON_WORDS.get(reason, "the profiler server has no continuous profiling (TensorFlow < 2.21)"
                                   if reason == "unimplemented" else code.name)
         return {"status": "failed" if reason != "unimplemented" else "unimplemented", "reason": reason,
-                "detail": f"{self.target}: {words} (gRPC {code.name}: {detail[:300]})", "died": reason == "died"}
+                "detail": f"{self.target}: {words} (gRPC {code.name}: {detail[:300]})",
+                "died": [self.target] if reason == "died" else []}  # as capture_worker's: the addresses that died
 
 
 def write_ring(ring: Ring, target: str, logdir: Path) -> list[dict[str, Any]]:

@@ -163,13 +163,20 @@ class WorkerPool:
         if self._stopping.is_set():
             self._slots.release()
             return Outcome("stopped", None, "the agent stopped")
-        proc = self._take_spare() if module == self.prestart else None
+        started = self._start(module, [])
+        if isinstance(started, Outcome):
+            self._slots.release()
+        return started
+
+    def _start(self, module: str, args: list[str]) -> tuple[subprocess.Popen, bool] | Outcome:
+        """The pre-started worker if it is of ``module`` and waits, else a new one, and whether it was pre-started;
+        it counts as running (``stop()`` kills it). An Outcome says why none could start."""
+        proc = self._take_spare() if module == self.prestart and not args else None
         prestarted = proc is not None
         if proc is None:
             try:
-                proc = _spawn(module, [])
-            except OSError as exc:
-                self._slots.release()
+                proc = _spawn(module, args)
+            except OSError as exc:  # out of processes, descriptors or memory
                 return Outcome("error", None, f"cannot start a {self.name} worker: {exc}")
         with self._lock:
             self._running.add(proc)
@@ -188,17 +195,10 @@ class WorkerPool:
     def _run(self, module: str, args: list[str], stdin: str, deadline: float) -> Outcome:
         if self._stopping.is_set():
             return Outcome("stopped", None, "the agent stopped")
-        proc = self._take_spare() if module == self.prestart and not args else None
-        prestarted = proc is not None
-        if proc is None:
-            try:
-                proc = _spawn(module, args)
-            except OSError as exc:  # out of processes, descriptors or memory
-                return Outcome("error", None, f"cannot start a {self.name} worker: {exc}")
-            with self._lock:
-                self._running.add(proc)
-        with self._lock:
-            self._used["prestarted" if prestarted else "cold"] += 1
+        started = self._start(module, args)
+        if isinstance(started, Outcome):
+            return started
+        proc, prestarted = started
         log.debug("%s worker pid %d (%s) took a request", self.name, proc.pid, "pre-started" if prestarted else "cold")
         try:
             out, err = proc.communicate(stdin, timeout=max(0.0, deadline - time.monotonic()))
