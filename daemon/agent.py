@@ -159,11 +159,11 @@ class Agent:
             elif settings.enabled:
                 self.collectors[name].configure(settings)
             elif name in self.collectors:
-                self.runners.pop(name).stop()
+                self.runners.pop(name).stop()  # a sample that finishes afterwards is not published
+                self.endpoints.exposition.forget(AGENT_PART)  # at once: its collector_success series goes too
+                self.endpoints.exposition.forget(name)
                 close_soon(self.collectors.pop(name))
                 self.jobs.forget(name)
-                self.endpoints.exposition.forget(name)
-                self.endpoints.exposition.forget(AGENT_PART)  # its collector_success series goes too
                 log.info("collector %s disabled", name)
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:
