@@ -39,7 +39,7 @@ from .pending import on_transition
 from .policy import CapturePolicy
 from .records import RecordStore, make_dir
 from .rules import PENDING, Engine, Transition, log_transition
-from .sampler import CollectorRunner, Snapshot
+from .sampler import CollectorRunner, SamplingThread, Snapshot
 from .workers import WATCH_AFTER_S
 
 log = logging.getLogger("tfprofd.agent")
@@ -65,6 +65,8 @@ class Agent:
         self.engine = Engine(list(cfg.rules), signal_catalog())
         self.collectors: dict[str, Collector] = {}
         self.runners: dict[str, CollectorRunner] = {}
+        # the collectors that never block take turns on one thread (one wake an interval for all of them)
+        self.sampler = SamplingThread("sampler", lambda: self.cfg.core.interval, self.env.clock, shared=True)
         self.servers: list[HttpServer] = []
         self.loop = EventLoop()
         self.captures: CaptureService | None = None
@@ -155,7 +157,7 @@ class Agent:
                     collector, lambda: self.cfg.core.interval, self.env.clock,
                     [self.jobs.on_snapshot, self._on_snapshot, self.baselines.on_snapshot, self.endpoints.after_sample,
                      self.host.on_snapshot])
-                runner.start()
+                runner.start(self.sampler if cls.never_blocks else None)
             elif settings.enabled:
                 self.collectors[name].configure(settings)
             elif name in self.collectors:
@@ -239,6 +241,7 @@ class Agent:
         self._stopping.set()
         for runner in self.runners.values():
             runner.stop()
+        self.sampler.stop()
         closers = [close_soon(c) for c in self.collectors.values()]
         deadline = time.monotonic() + CLOSE_WAIT_S
         if self.captures is not None:

@@ -75,6 +75,9 @@ class Collector:
     section: ClassVar[str]  # the config section of its Settings, e.g. "collectors.cpu"
     Settings: ClassVar[type]  # a frozen dataclass of exporter.options.option() fields, `enabled` first
     signals: ClassVar[Mapping[str, tuple[str, ...]]] = {}  # rule signal -> label names of its series
+    # whether sample() reads only the kernel's own files (/proc, /sys) and memory: such collectors share one
+    # sampling thread; one that calls a library or a peer that may block (NVML, the kubelet) has its own
+    never_blocks: ClassVar[bool] = False
 
     def __init__(self, settings: Any, env: Environment):
         self.settings = settings

@@ -55,6 +55,7 @@ class CpuSettings:
 
 class CpuCollector(Collector):
     name = "cpu"
+    never_blocks = True
     section = "collectors.cpu"
     Settings = CpuSettings
     signals: ClassVar[dict[str, tuple[str, ...]]] = {"cpu_utilization": (), "cpu_iowait": ()}

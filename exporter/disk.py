@@ -31,6 +31,7 @@ class DiskSettings:
 
 class DiskCollector(Collector):
     name = "disk"
+    never_blocks = True
     section = "collectors.disk"
     Settings = DiskSettings
     latest: DiskSample | None = None

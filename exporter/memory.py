@@ -29,6 +29,7 @@ class MemorySettings:
 
 class MemoryCollector(Collector):
     name = "memory"
+    never_blocks = True
     section = "collectors.memory"
     Settings = MemorySettings
     signals: ClassVar[dict[str, tuple[str, ...]]] = {"memory_used_ratio": ()}

@@ -70,6 +70,7 @@ class NetworkSettings:
 
 class NetworkCollector(Collector):
     name = "network"
+    never_blocks = True
     section = "collectors.network"
     Settings = NetworkSettings
     signals: ClassVar[dict[str, tuple[str, ...]]] = {

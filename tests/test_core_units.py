@@ -17,7 +17,7 @@ from tfprofd.daemon.errors import BudgetSpent, CaptureBusy, CoolingDown, Storage
 from tfprofd.daemon.jobs import JobRegistry, Target
 from tfprofd.daemon.policy import CapturePolicy
 from tfprofd.daemon.records import RecordStore
-from tfprofd.daemon.sampler import WAKE_RATE, CollectorRunner
+from tfprofd.daemon.sampler import WAKE_RATE, CollectorRunner, SamplingThread
 from tfprofd.daemon.workers import Outcome
 from tfprofd.exporter.base import Clock, Collector, Environment
 
@@ -288,7 +288,7 @@ def test_a_dead_sampling_thread_turns_the_collector_unhealthy(caplog):
 
     runner = CollectorRunner(Dying(None, Environment()), lambda: 0.01, Clock())
     runner.start()
-    wait_for(lambda: not runner.state().healthy, 10, message="the runner to notice its thread died")
+    wait_for(lambda: "died" in (runner.state().problem or ""), 10, message="the runner to notice its thread died")
     state = runner.state()
     assert not state.success and "sampling thread died: SystemExit" in state.problem
     assert runner.serving() is None
@@ -384,3 +384,44 @@ def test_the_job_registry_says_where_a_job_trains_for_each_kind_of_series():
     assert not registry.is_training({"gpu": "0"}) and not registry.is_training({"gpu": "2"})
     registry.forget("training")
     assert not registry.is_training({"gpu": "1"}) and not registry.is_training({"training_job": "a"})
+
+
+def test_collectors_that_never_block_take_turns_on_one_thread_each_interval():
+    """Six collectors on threads of their own were six cold wakes a second (issue 24): those that only read
+    /proc share one thread, which samples them together each interval, a woken one alone at once, and keeps
+    sampling the others when one is stopped or added back."""
+    shared = SamplingThread("sampler", lambda: 3600.0, Clock(), shared=True)
+    first, second = Flaky(None, Environment()), Flaky(None, Environment())
+    runners = [CollectorRunner(c, lambda: 3600.0, Clock()) for c in (first, second)]
+    try:
+        for runner in runners:
+            runner.start(shared)
+        wait_for(lambda: first.samples == second.samples == 1, 10, message="both sampled at once")
+        threads = {t.name for t in threading.enumerate()}
+        assert "tfprofd-sampler" in threads and "tfprofd-flaky" not in threads
+        second.wake()
+        wait_for(lambda: second.samples == 2, 10, message="a woken sample long before the interval")
+        assert first.samples == 1
+        runners[1].stop()
+        second.wake()
+        first.wake()
+        wait_for(lambda: first.samples == 2, 10, message="the other collector sampled on")
+        assert second.samples == 2
+        again = CollectorRunner(second, lambda: 3600.0, Clock())
+        again.start(shared)
+        wait_for(lambda: second.samples == 3, 10, message="a collector enabled again")
+    finally:
+        for runner in runners:
+            runner.stop()
+        shared.stop()
+        shared.join(10)
+    assert "tfprofd-sampler" not in {t.name for t in threading.enumerate()}
+
+
+def test_a_collector_on_a_thread_of_its_own_ends_it_when_stopped():
+    runner = CollectorRunner(Flaky(None, Environment()), lambda: 3600.0, Clock())
+    runner.start()
+    wait_for(lambda: runner.collector.samples == 1, 10, message="the first sample")
+    runner.stop()
+    runner.join(10)
+    assert "tfprofd-flaky" not in {t.name for t in threading.enumerate()}
