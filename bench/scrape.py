@@ -15,6 +15,9 @@ Targets: 20 jobs: tfprofd's p99 at most 1/5 of node_exporter's (each way); RSS �
 core unscraped. 1,000 jobs: Prometheus's scrape p99 ≤ 1.5× the static server's, ``up`` never 0, kept-alive
 p99 ≤ node_exporter's, CPU ≤ 5% of a core. ``--quick``: tiny sizes and durations, no targets (CI);
 ``--spread``: the jobs report at their own phases over each second, as real ones do (one burst otherwise).
+``--unix``: the jobs report over the agent's Unix socket, as jobs on the host do by default (UDP, as pods do,
+otherwise); the socket rests between reads only where the kernel queues 512 datagrams for it
+(``net.unix.max_dgram_qlen``, systemd's default; the kernel's own is 10), which the bench prints.
 ``--plot=PATH``: draw the scaling table (scrape time and CPU against jobs, linear axes) as SVG for README.
 """
 
@@ -39,6 +42,7 @@ from helpers import free_port, metric_value, start_prometheus
 
 QUICK = "--quick" in sys.argv
 SPREAD = "--spread" in sys.argv  # the jobs report at their own phases over each second (as real ones do), not at once
+UNIX = "--unix" in sys.argv  # over the agent's Unix socket (jobs on the host), not UDP (pods)
 SCRAPES = 5 if QUICK else 300
 FEW, MANY = (2, 4) if QUICK else (20, 1000)  # reporting jobs; 1,000 is hook.max_jobs
 SCALING = () if QUICK else (10, 100)  # more sizes for the scaling table, beside FEW and MANY
@@ -77,12 +81,12 @@ def latencies(port_a: int, port_b: int, kept_alive: bool) -> tuple[list[float], 
     return a, b
 
 
-def report_forever(hook_port: int, jobs: int, stop_event: threading.Event, spread: bool = False) -> None:
+def report_forever(addr: str, jobs: int, stop_event: threading.Event, spread: bool = False) -> None:
     """``jobs`` jobs reporting once a second, as hooks do (run in a process of its own): in one burst, or
     (``spread``) each at its own phase."""
     from tfprofd.exporter.hook import Reporter
 
-    reporters = [Reporter(job=f"job{i:04d}", worker="0", profiler=False, addr=f"127.0.0.1:{hook_port}")
+    reporters = [Reporter(job=f"job{i:04d}", worker="0", profiler=False, addr=addr)
                  for i in range(jobs)]
     for r in reporters:
         r.batch_size, r.phase = 64, "train"
@@ -179,7 +183,8 @@ def measure(jobs: int) -> dict[str, float]:
         node, node_port = start_node_exporter()
         context = multiprocessing.get_context("spawn")
         stop_event = context.Event()
-        reporting = context.Process(target=report_forever, args=(hook_port, jobs, stop_event, SPREAD),
+        addr = f"unix:{Path(tmp) / 'hook.sock'}" if UNIX else f"127.0.0.1:{hook_port}"
+        reporting = context.Process(target=report_forever, args=(addr, jobs, stop_event, SPREAD),
                                     daemon=True)
         reporting.start()
         try:
@@ -289,6 +294,9 @@ def plot(results: list[dict[str, float]]) -> str:
 
 def main() -> list[dict[str, float]]:
     results = []
+    queue = Path("/proc/sys/net/unix/max_dgram_qlen").read_text().strip()
+    print(f"the jobs report {'at their own phases' if SPREAD else 'in one burst a second'}, over "
+          f"{f'the Unix socket (net.unix.max_dgram_qlen {queue})' if UNIX else 'UDP'}")
     sizes = [int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--jobs=")] or sorted({*SCALING, FEW, MANY})
     for jobs in sizes:
         r = measure(jobs)
