@@ -23,6 +23,8 @@ from tfprofd.daemon.exposition import OPENMETRICS, TEXT, render, render_library
 from tfprofd.exporter.base import Environment, Sectioned, gauge, go_float
 from tfprofd.exporter.hook import PHASES, STEP_BUCKETS, Reporter
 from tfprofd.exporter.training import (
+    UDP_GATHER_SECONDS,
+    UDP_GATHER_STEP,
     UNIX_PAUSE_S,
     Counts,
     HookSettings,
@@ -32,6 +34,7 @@ from tfprofd.exporter.training import (
     _job_families,
     _job_lines,
     _Row,
+    gather_step,
     unix_pause,
 )
 
@@ -403,6 +406,40 @@ def test_a_listener_that_cannot_start_leaves_nothing_open_or_bound(tmp_path, mon
         collector.close()
         collector.close()  # twice, as a failed reload and then shutdown may
     assert not path.exists()
+
+
+def test_a_gathering_of_steady_reports_drains_the_socket_a_few_times_and_a_burst_often():
+    """1,000 jobs at their own phases: a gathering drained the socket every 20 ms, twelve wakes in its 0.25 s
+    for what three or four drains hold (a cold wake costs more than a report). It now waits twice as long
+    after each drain that filled little of the socket's buffer, and half as long after one that filled much."""
+    collector = TrainingCollector(HookSettings(socket="", listen=None), Environment())
+    drains = []
+    drain = collector._drain
+    collector._drain = lambda sock, limit: drains.append(drain(sock, limit)) or drains[-1]  # type: ignore[method-assign]
+    payload = json.dumps(Reporter(job="steady", worker="0", profiler=False, addr="127.0.0.1:9").report()).encode()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)  # as the agent asks for its socket
+        sock.bind(("127.0.0.1", 0))
+        sock.setblocking(False)
+        stop = threading.Event()
+
+        def steady() -> None:  # a report every 2 ms, as 500 jobs at their own phases
+            while not stop.wait(0.002):
+                sender.sendto(payload, sock.getsockname())
+
+        thread = threading.Thread(target=steady)
+        thread.start()
+        try:
+            gathered = collector._gather(sock)
+        finally:
+            stop.set()
+            thread.join()
+        assert gathered and len(drains) <= 7  # 20, 40, 80, 160 ms: it was one drain every 20 ms (13)
+    assert gather_step(0.02, 1000, 1 << 21) == 0.04 and gather_step(0.16, 1000, 1 << 21) == UDP_GATHER_SECONDS
+    assert gather_step(0.16, 1 << 20, 1 << 21) == 0.08 and gather_step(0.02, 1 << 20, 1 << 21) == UDP_GATHER_STEP
+    assert gather_step(0.08, 400_000, 1 << 21) == 0.08  # between an eighth and a quarter: as it was
+    collector.close()
 
 
 def test_reports_gathered_after_a_read_are_checked_against_a_later_one():
