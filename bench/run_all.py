@@ -12,7 +12,7 @@ from pathlib import Path
 
 BENCHES = ("scrape.py", "hook_overhead.py", "capture_latency.py", "scenarios.py", "hostile.py", "analysis_cost.py",
            "job_capture.py", "continuous_profiling.py", "render_jobs.py",
-           "noise.py")
+           "noise.py", "versus.py")
 
 if __name__ == "__main__":
     here = Path(__file__).resolve().parent

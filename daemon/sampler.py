@@ -100,6 +100,10 @@ class CollectorRunner:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    @property
+    def running(self) -> bool:
+        return not self._stopped
+
     def _wake(self) -> None:
         self._asked = True
         if self._thread is not None:
@@ -198,13 +202,17 @@ class SamplingThread:
         self._woken = threading.Event()
         self._stopped = False
         self._started = False
+        self._died: str | None = None
         self._thread = threading.Thread(target=self._guarded_loop, name=f"tfprofd-{name}", daemon=True)
 
     def add(self, runner: CollectorRunner) -> None:
-        """Sample ``runner`` from now on: at once, then each interval."""
+        """Sample ``runner`` from now on: at once, then each interval (never, with health red, if the thread
+        died)."""
         with self._lock:
             self._runners.append(runner)
-            if not self._started:
+            if self._died is not None:
+                runner.died(self._died)
+            elif not self._started:
                 self._started = True
                 self._thread.start()
         self._woken.set()
@@ -233,9 +241,10 @@ class SamplingThread:
             self._loop()
         except BaseException as exc:  # a dead sampling thread must turn its collectors' health red
             with self._lock:
+                self._died = f"sampling thread died: {type(exc).__name__}: {exc}"
                 runners = list(self._runners)
             for runner in runners:
-                runner.died(f"sampling thread died: {type(exc).__name__}: {exc}")
+                runner.died(self._died)
             log.exception("sampling thread died (collectors %s); their metrics are no longer served",
                           ", ".join(r.name for r in runners))
 
@@ -249,14 +258,14 @@ class SamplingThread:
             scheduled = now >= next_due
             for runner in runners:
                 asked = runner.asked_at()
-                if scheduled or (asked is not None and asked <= now):
+                if runner.running and (scheduled or (asked is not None and asked <= now)):
                     runner.sample_once()
             now = self.clock.monotonic()
             if scheduled:  # schedule the next; fell behind (slow collector, suspended host): skip, don't burst
                 next_due = max(next_due + self.interval(), now)
             asked = min((a for r in runners if (a := r.asked_at()) is not None), default=None)
-            if asked is not None and asked > now:  # a wake came too soon after a sample: wait it out,
-                time.sleep(min(asked, next_due) - now)  # not for more wakes (a flood of them)
+            if asked is not None and asked > now:  # a wake came too soon after a sample: wait it out, not for
+                time.sleep(max(min(asked, next_due) - now, 0.0))  # more wakes (a flood); past due: sample now
             elif asked is None:
                 self._woken.wait(max(next_due - now, 0) if runners else None)
 

@@ -62,10 +62,11 @@ FOLDED_KEPT = 64  # processes per job whose counters were folded in, remembered 
 NEW_JOB_LOGS_PER_MINUTE = 20
 REFUSED_LOGS_PER_MINUTE = 20
 UDP_GATHER_SECONDS = 0.25  # a UDP report waits at most this long for others to share its socket-table read
-UDP_GATHER_STEP = 0.02  # s: a gathering drains the socket at most this often (see gather_step)
+UDP_GATHER_STEP = 0.02  # s: a gathering drains the socket this often (its buffer holds far more than that)
 UDP_GATHER_RATE = 100.0  # UDP reports a second from which they are gathered (below it, each burst is read alone)
 UNIX_PAUSE_S = 0.25  # after its reports are read, the Unix socket waits at most this long before the next read
 UNIX_QUEUE_DEFAULT = 10  # the kernel's default net.unix.max_dgram_qlen (systemd sets 512)
+LATE_REPORT_S = 2 * UNIX_PAUSE_S  # a process whose pid is gone is retired this long after a sample saw it
 UNIX_REST_QUEUE = 64  # below this queue the socket never rests: jobs that start reporting at once could fill it
 UDP_BATCH = 1024  # datagrams at most in one batch
 UDP_BATCH_BYTES = 1 << 20  # and bytes (a flood of 64 KiB datagrams holds no more than the socket's buffer)
@@ -305,20 +306,6 @@ def unix_pause(rate: float, queue: int) -> float:
     if queue < UNIX_REST_QUEUE:
         return 0.0
     return min(UNIX_PAUSE_S, queue / 4 / rate) if rate > 0 else UNIX_PAUSE_S
-
-
-def gather_step(step: float, drained: int, buffer: int) -> float:
-    """The wait before a UDP gathering's next drain, after one that read ``drained`` bytes' worth of
-    datagrams (as the kernel charges them: about twice the payload plus 1 KiB) from a socket ``buffer`` of
-    that many bytes, having waited ``step``: twice as long while a drain fills less than an eighth of the
-    buffer (up to the whole gathering), half as long once it fills more than a quarter (down to
-    UDP_GATHER_STEP). Draining every 20 ms woke the listener twelve times a gathering where three or four
-    drains fit in the buffer, and a cold wake costs more than a report; a burst is still drained every 20 ms."""
-    if drained > buffer / 4:
-        return max(UDP_GATHER_STEP, step / 2)
-    if drained < buffer / 8:
-        return min(UDP_GATHER_SECONDS, step * 2)
-    return step
 
 
 def unix_queue(procfs: Path = OWN_PROC) -> int:
@@ -700,6 +687,7 @@ class ProcessState:
     recent_step_seconds: float | None = None
     recent_batch: float | None = None  # samples per step between the last two reports
     woken_at: float = float("-inf")  # monotonic: when an outlier report of it last asked for a sample
+    gone_at: float | None = None  # monotonic: when a sample first found its pid gone
 
 
 @dataclass
@@ -928,8 +916,8 @@ class TrainingCollector(Collector):
                     return
                 if sock.family == socket.AF_UNIX and len(batch) < 256:  # a flood is read on at once
                     # the rate over the last second, or since the last read if higher (jobs just started)
-                    rate = max(unix_rate.add(len(batch)), len(batch) / max(now - last_unix_read, 1e-3))
-                    last_unix_read, pause = now, unix_pause(rate, queue)
+                    per_second = max(unix_rate.add(len(batch)), len(batch) / max(now - last_unix_read, 1e-3))
+                    last_unix_read, pause = now, unix_pause(per_second, queue)
                     if pause > 0:
                         self._selector.unregister(sock)
                         resting[sock] = now + pause
@@ -938,7 +926,7 @@ class TrainingCollector(Collector):
                     self.receive(payload, sender, table)
                 udp = sock.family != socket.AF_UNIX
                 if udp and batch and rate.add(len(batch)) >= UDP_GATHER_RATE:
-                    more = self._gather(sock)
+                    more = self._gather(sock, [])
                     if more is None or self._stop.is_set():
                         return
                     rate.add(len(more))
@@ -962,30 +950,26 @@ class TrainingCollector(Collector):
                 break
         return batch
 
-    def _gather(self, sock: socket.socket) -> list[tuple[bytes, Sender]] | None:
+    def _gather(self, sock: socket.socket, batch: list[tuple[bytes, Sender]]) -> list[tuple[bytes, Sender]] | None:
         """More UDP datagrams for ``UDP_GATHER_SECONDS`` after the first, from ``UDP_GATHER_RATE`` reports a
         second: 1,000 jobs report at their own phases, so draining alone left batches of a few datagrams and a
         2 ms read of the socket table for each (13% of a core). Reports wait at most that long; the sampler
         reads them once an interval anyway. The price: a job's last report gathered after its process exited
         (its socket closed) cannot be verified and is refused (``unverified_sender``), so below that rate
-        nothing is gathered. The socket is drained every ``gather_step``, not as each datagram comes: jobs
+        nothing is gathered. The socket is drained every ``UDP_GATHER_STEP``, not as each datagram comes: jobs
         at their own phases woke the loop for every one (a wait, a read and a read that found none each)."""
         deadline = time.monotonic() + UDP_GATHER_SECONDS
-        buffer, step = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF), UDP_GATHER_STEP
-        batch: list[tuple[bytes, Sender]] = []
-        size = 0
+        size = sum(len(payload) for payload, _ in batch)
         while True:
             more = self._drain(sock, UDP_BATCH - len(batch))
             if more is None:
                 return None
             batch += more
-            drained = sum(len(payload) for payload, _ in more)
-            size += drained
+            size += sum(len(payload) for payload, _ in more)
             left = deadline - time.monotonic()
             if len(batch) >= UDP_BATCH or size >= UDP_BATCH_BYTES or left <= 0:
                 return batch
-            step = gather_step(step, 2 * drained + 1024 * len(more), buffer)
-            if self._stop.wait(min(left, step)):
+            if self._stop.wait(min(left, UDP_GATHER_STEP)):
                 return batch
 
     @staticmethod
@@ -1120,9 +1104,16 @@ class TrainingCollector(Collector):
         now = self.clock.monotonic()
         with self._lock:
             candidates = [(series, key, p) for series, job in self.jobs.items() for key, p in job.processes.items()]
-        gone = {(series, key) for series, key, p in candidates
-                if now - p.last_seen > self.settings.down_after or self._pid_gone(p)}
+        exited = [(series, key, p) for series, key, p in candidates if self._pid_gone(p)]  # outside the lock
         with self._lock:
+            gone = {(series, key) for series, key, p in candidates if now - p.last_seen > self.settings.down_after}
+            # A process that exited is retired a sample later: its last report may still wait in the Unix
+            # socket's queue, and retired first, that report came as a new process whose profiler could no
+            # longer be checked (refused: untrusted_profiler, and the process's last counts lost).
+            for series, key, p in exited:
+                p.gone_at = now if p.gone_at is None else p.gone_at
+                if now - p.gone_at >= LATE_REPORT_S:
+                    gone.add((series, key))
             for series, key in gone:
                 job = self.jobs.get(series)
                 process = job.processes.pop(key, None) if job else None

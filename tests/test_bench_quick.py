@@ -26,7 +26,8 @@ LAST_WORDS = {"scrape.py": "scrape and CPU against the number of reporting jobs"
               "job_capture.py": "peers  -> instant  -> last asked  -> record",
               "continuous_profiling.py": "stop_ms_median",
               "render_jobs.py": "the collector's work for",
-              "noise.py": "captures of the unchanged job not saying the host was contended:"}
+              "noise.py": "captures of the unchanged job not saying the host was contended:",
+              "versus.py": "this / base CPU: median"}
 
 
 

@@ -425,3 +425,23 @@ def test_a_collector_on_a_thread_of_its_own_ends_it_when_stopped():
     runner.stop()
     runner.join(10)
     assert "tfprofd-flaky" not in {t.name for t in threading.enumerate()}
+
+
+def test_wakes_during_samples_that_end_past_their_due_time_never_stop_the_sampling():
+    """A sample that ended after the next one was due, with a wake asked during it, slept a negative time:
+    the shared thread died, and with it every collector on it."""
+    class Slow(Flaky):
+        def sample(self):
+            self.wake()  # as the training collector's listener does for each new process
+            time.sleep(0.1)  # a woken sample 0.1 s after a scheduled one ends past the next (0.25 s)
+            return super().sample()
+
+    collector = Slow(None, Environment())
+    runner = CollectorRunner(collector, lambda: 0.25, Clock())
+    runner.start()
+    try:
+        wait_for(lambda: collector.samples >= 12 or "died" in (runner.state().problem or ""), 30,
+                 message="twelve samples")
+        assert "died" not in (runner.state().problem or "")
+    finally:
+        runner.stop()

@@ -1,0 +1,109 @@
+"""CPU and resident memory of tfprofd at this checkout against another revision, both agents running at once
+(8 simulated GPUs each, ``--jobs`` reporting jobs each, unscraped), measured over the same windows.
+
+Why side by side: this 2-core virtual machine charges a thread's wake after sleep 2-3× more in one hour than
+in another (a cold cache, not load: ``uptime`` reads 0.1 either way), so two runs one after the other
+compare the hours more than the code. Two agents at once see the same machine; the ratio is the figure.
+
+``--base=REV`` (default ``HEAD~1``): the revision to compare with (its ``daemon/`` and ``exporter/``, from
+git). ``--jobs=N`` (20), ``--rounds=R`` (5) windows of ``--seconds=S`` (30). ``--unix``: the jobs report
+over each agent's Unix socket, as jobs on a host do (UDP otherwise); ``--spread``: at their own phases over
+each second (one burst otherwise). ``--quick``: 2 jobs, one window of 1 s, against ``HEAD`` (CI; without a
+git history, the checkout against itself).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from scrape import report_forever, wait_jobs
+
+from common import ROOT, cpu_seconds, rss_bytes, start_agent, stop
+
+
+def option(name: str, default: str) -> str:
+    return next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith(f"--{name}=")), default)
+
+
+QUICK = "--quick" in sys.argv
+UNIX, SPREAD = "--unix" in sys.argv, "--spread" in sys.argv
+BASE = option("base", "HEAD" if QUICK else "HEAD~1")
+JOBS = 2 if QUICK else int(option("jobs", "20"))
+ROUNDS = 1 if QUICK else int(option("rounds", "5"))
+SECONDS = 1.0 if QUICK else float(option("seconds", "30"))
+
+
+def ratio(this: float, base: float) -> float:
+    return this / base if base > 0 else float("nan")  # a window too short to be charged a tick
+
+
+def base_package(tmp: Path) -> Path | None:
+    """A directory holding ``tfprofd`` as it was at BASE (for PYTHONPATH), or None without a git history."""
+    tree, package = tmp / "tree", tmp / "package" / "tfprofd"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BASE, "daemon", "exporter"], capture_output=True)
+    if archive.returncode != 0:
+        if QUICK:
+            return None
+        raise SystemExit(f"cannot read {BASE} from git: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    package.mkdir(parents=True)
+    for part in ("daemon", "exporter"):
+        (package / part).symlink_to(tree / part)
+    return package.parent
+
+
+def main() -> None:
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        base = base_package(Path(tmp))
+        print(f"tfprofd at this checkout against {BASE if base else 'itself (no git history)'}, both at once, "
+              f"{JOBS} jobs each reporting {'at their own phases' if SPREAD else 'in one burst a second'} over "
+              f"{'the Unix socket' if UNIX else 'UDP'}, unscraped", flush=True)
+        here = f"{ROOT / 'bench'}:{ROOT / 'tests'}"
+        agents, senders = {}, []
+        try:
+            for name, path in (("base", f"{base}:{here}" if base else here), ("this", here)):
+                directory = Path(tmp) / name
+                directory.mkdir()
+                agent, port = start_agent(directory, 8, env={"PYTHONPATH": path})
+                agents[name] = agent
+                command = Path(f"/proc/{agent.pid}/cmdline").read_text().split("\0")
+                udp = command[command.index("--hook.listen") + 1]
+                stop_event = context.Event()
+                sender = context.Process(target=report_forever, daemon=True, args=(
+                    f"unix:{directory / 'hook.sock'}" if UNIX else udp, JOBS, stop_event, SPREAD))
+                sender.start()
+                senders.append((sender, stop_event))
+                wait_jobs(port, JOBS)
+            cpu: dict[str, list[float]] = {name: [] for name in agents}
+            for round_ in range(ROUNDS):
+                before, started = {name: cpu_seconds(a.pid) for name, a in agents.items()}, time.monotonic()
+                time.sleep(SECONDS)
+                elapsed = time.monotonic() - started
+                for name, agent in agents.items():
+                    cpu[name].append((cpu_seconds(agent.pid) - before[name]) / elapsed * 100)
+                print(f"  window {round_ + 1}: base {cpu['base'][-1]:.2f}%  this {cpu['this'][-1]:.2f}% of a core  "
+                      f"ratio {ratio(cpu['this'][-1], cpu['base'][-1]):.2f}", flush=True)
+            ratios = [ratio(t, b) for t, b in zip(cpu["this"], cpu["base"], strict=True)]
+            rss = {name: rss_bytes(a.pid) / 2**20 for name, a in agents.items()}
+            print(f"  resident: base {rss['base']:.1f} MiB  this {rss['this']:.1f} MiB")
+            print(f"this / base CPU: median {statistics.median(ratios):.2f} (windows {min(ratios):.2f}-"
+                  f"{max(ratios):.2f}); mean CPU base {statistics.mean(cpu['base']):.2f}%, "
+                  f"this {statistics.mean(cpu['this']):.2f}%")
+        finally:
+            for sender, stop_event in senders:
+                stop_event.set()
+                sender.join(10)
+            for agent in agents.values():
+                stop(agent)
+
+
+if __name__ == "__main__":
+    main()
