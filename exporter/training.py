@@ -68,6 +68,7 @@ UNIX_PAUSE_S = 0.25  # after its reports are read, the Unix socket waits at most
 UNIX_QUEUE_DEFAULT = 10  # the kernel's default net.unix.max_dgram_qlen (systemd sets 512)
 LATE_REPORT_S = 2 * UNIX_PAUSE_S  # a process whose pid is gone is retired this long after a sample saw it
 UNIX_REST_QUEUE = 64  # below this queue the socket never rests: jobs that start reporting at once could fill it
+DRAIN_AT_ONCE = 256  # datagrams read at most before the next wait (the stop flag is seen under a flood)
 UDP_BATCH = 1024  # datagrams at most in one batch
 UDP_BATCH_BYTES = 1 << 20  # and bytes (a flood of 64 KiB datagrams holds no more than the socket's buffer)
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -911,10 +912,11 @@ class TrainingCollector(Collector):
                 sock: socket.socket = key.fileobj  # type: ignore[assignment]
                 if sock is self._closing:
                     return
-                batch = self._drain(sock, 256)  # at most this many, so the stop flag is seen under a flood
+                batch = self._drain(sock, DRAIN_AT_ONCE)
                 if batch is None:
                     return
-                if sock.family == socket.AF_UNIX and len(batch) < 256:  # a flood is read on at once
+                udp = sock.family != socket.AF_UNIX  # once a batch: socket.family makes an enum each time
+                if not udp and len(batch) < DRAIN_AT_ONCE:  # a flood is read on at once
                     # the rate over the last second, or since the last read if higher (jobs just started)
                     per_second = max(unix_rate.add(len(batch)), len(batch) / max(now - last_unix_read, 1e-3))
                     last_unix_read, pause = now, unix_pause(per_second, queue)
@@ -924,7 +926,6 @@ class TrainingCollector(Collector):
                 table = UdpTable(ports=_ports(batch))  # read once for the batch, when its first UDP report needs it
                 for payload, sender in batch:  # at once: a job's last report comes as it exits
                     self.receive(payload, sender, table)
-                udp = sock.family != socket.AF_UNIX
                 if udp and batch and rate.add(len(batch)) >= UDP_GATHER_RATE:
                     more = self._gather(sock, [])
                     if more is None or self._stop.is_set():
