@@ -244,7 +244,10 @@ def build() -> dashboard.Dashboard:
                             query(f"sum (rate(tfprofd_hook_reports_total{{{HOST}}}[{rate}]))", "accepted"),
                             query(f"sum by (reason) (rate(tfprofd_hook_reports_rejected_total{{{HOST}}}[{rate}]))",
                                   "rejected {{reason}}", "B"),
-                            description="Training-hook datagrams accepted and rejected (by reason) per second."))
+                            query(f"sum (rate(tfprofd_hook_reports_dropped_total{{{HOST}}}[{rate}]))",
+                                  "dropped by the kernel", "C"),
+                            description="Training-hook datagrams accepted, rejected (by reason) and dropped by the "
+                                        "kernel on a full UDP socket (raise net.core.rmem_max) per second."))
     return d.build()
 
 

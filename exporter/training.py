@@ -73,6 +73,10 @@ UDP_BATCH = 1024  # datagrams at most in one batch
 UDP_BATCH_BYTES = 1 << 20  # and bytes (a flood of 64 KiB datagrams holds no more than the socket's buffer)
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _CMSG_SPACE = socket.CMSG_SPACE(_CREDS.size)
+SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)  # Linux's value, where Python's headers do not name it
+_DROPS = struct.Struct("I")  # SO_RXQ_OVFL's message: the datagrams the socket dropped so far (wraps at 2^32)
+_DROPS_SPACE = socket.CMSG_SPACE(_DROPS.size)
+DROPS_LOG_EVERY = 60.0  # s: kernel drops are logged at most this often
 
 
 class Rejected(ValueError):
@@ -763,6 +767,7 @@ class _Sampled:
     rows: tuple[_Row, ...] = ()
     rejected: tuple[tuple[str, int], ...] = ()
     accepted: int = 0
+    dropped: int = 0
     signals: Signals = field(default_factory=dict)
     facts: TrainingProcesses = TrainingProcesses(())
 
@@ -803,6 +808,9 @@ class TrainingCollector(Collector):
         self.jobs: dict[tuple[str, str], JobState] = {}
         self.accepted = 0
         self.rejected = dict.fromkeys(REJECT_REASONS, 0)
+        self.dropped = 0  # reports the kernel dropped on the UDP socket (its buffer full), as later ones told
+        self._drops_seen = 0  # the kernel's count (a u32) in the latest report that carried one
+        self._drops_logged = (0, -math.inf)  # dropped and monotonic time at the last warning
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._problem: str | None = None
@@ -844,6 +852,7 @@ class TrainingCollector(Collector):
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)  # ride out bursts from many workers
+        sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)  # each datagram says how many the kernel dropped
         sock.bind(address)
         sock.setblocking(False)
         return sock
@@ -982,10 +991,22 @@ class TrainingCollector(Collector):
                 return payload, Sender(local=True, pid=pid, uid=uid)
         return payload, Sender(local=True)  # no credentials: the pid check rejects it
 
-    @staticmethod
-    def _recv_udp(sock: socket.socket) -> tuple[bytes, Sender]:
-        payload, (address, port, *_) = sock.recvfrom(65536)
+    def _recv_udp(self, sock: socket.socket) -> tuple[bytes, Sender]:
+        payload, ancillary, _, (address, port, *_) = sock.recvmsg(65536, _DROPS_SPACE)
+        if ancillary:  # only once the kernel has dropped datagrams on this socket (SO_RXQ_OVFL)
+            self._count_drops(ancillary)
         return payload, Sender(local=False, address=address, port=port)
+
+    def _count_drops(self, ancillary: list[tuple[int, int, bytes]]) -> None:
+        """Add the datagrams the kernel dropped since the last report that said so: a UDP socket whose buffer is
+        full (a burst from many jobs, an agent paused) drops what comes, and the next report queued tells."""
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(data) >= _DROPS.size:
+                (count,) = _DROPS.unpack_from(data)
+                grew = (count - self._drops_seen) % 2**32  # reports come in queue order: the count never falls
+                self._drops_seen = count
+                with self._lock:
+                    self.dropped += grew
 
     def receive(self, payload: bytes, sender: Sender, table: UdpTable | None = None) -> bool:
         """Validate and apply one report; count and drop anything malformed, whatever goes wrong. ``table``:
@@ -1133,7 +1154,17 @@ class TrainingCollector(Collector):
                     log.info("training job %s worker %s expired after %.0fs without reports", *series,
                              self.settings.expire_after)
             self._sampled = self._freeze(now)
+        self._log_drops(now)
         return True
+
+    def _log_drops(self, now: float) -> None:
+        """A warning when the kernel dropped reports, at most every DROPS_LOG_EVERY seconds."""
+        logged, at = self._drops_logged
+        dropped = self._sampled.dropped
+        if dropped > logged and now - at >= DROPS_LOG_EVERY:
+            self._drops_logged = (dropped, now)
+            log.warning("the kernel dropped %d hook reports on the UDP socket (%d in all): its receive buffer was "
+                        "full; raise net.core.rmem_max (the agent asks for 1 MiB)", dropped - logged, dropped)
 
     def configure(self, settings: HookSettings) -> None:
         super().configure(settings)
@@ -1157,7 +1188,7 @@ class TrainingCollector(Collector):
             views.extend(frozen.views)
             for name, value in frozen.signals:
                 signals[name].append((frozen.labels, value))
-        return _Sampled(tuple(rows), tuple(sorted(self.rejected.items())), self.accepted, signals,
+        return _Sampled(tuple(rows), tuple(sorted(self.rejected.items())), self.accepted, self.dropped, signals,
                         TrainingProcesses(tuple(views)))
 
     def _freeze_job(self, series: tuple[str, str], state: JobState, now: float, wall: float) -> _Frozen:
@@ -1247,6 +1278,9 @@ class TrainingCollector(Collector):
         head = [counter("hook_reports", "Total training-hook reports accepted.", [], [((), sampled.accepted)]),
                 counter("hook_reports_rejected", "Total training-hook reports rejected and dropped, by reason.",
                         ["reason"], (((reason,), n) for reason, n in sampled.rejected)),
+                counter("hook_reports_dropped", "Total training-hook reports the kernel dropped on the agent's UDP "
+                        "socket, its receive buffer full (counted when a later report arrives).", [],
+                        [((), sampled.dropped)]),
                 gauge("hook_jobs", "Number of (training_job, worker) series the agent tracks (at most "
                       "hook.max_jobs).", [], [((), len(sampled.rows))])]
         return Sectioned(head, _job_families, [(r.key, r) for r in sampled.rows], _job_lines)

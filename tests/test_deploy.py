@@ -52,7 +52,7 @@ def test_dashboard_is_modern_and_every_panel_has_a_unit():
 def test_alert_rules_pass_promtool_check_and_unit_tests():
     promtool = tool("promtool")
     check = run(promtool, "check", "rules", str(PROMETHEUS / "tfprofd-alerts.yaml"))
-    assert check.returncode == 0 and "SUCCESS: 15 rules found" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and "SUCCESS: 16 rules found" in check.stdout, check.stdout + check.stderr
     tests = run(promtool, "test", "rules", str(PROMETHEUS / "tfprofd-alerts.test.yaml"))
     assert tests.returncode == 0 and "SUCCESS" in tests.stdout, tests.stdout + tests.stderr
 
@@ -97,7 +97,7 @@ def test_example_alertmanager_config_sends_the_slowdown_alerts_to_the_agents(ale
 def test_example_prometheus_config_passes_promtool_and_gives_the_alerts_their_job():
     config = PROMETHEUS / "prometheus-example.yml"
     result = run(tool("promtool"), "check", "config", str(config))
-    assert result.returncode == 0 and "SUCCESS: 15 rules found" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0 and "SUCCESS: 16 rules found" in result.stdout, result.stdout + result.stderr
     example = yaml.safe_load(config.read_text())
     jobs = {c["job_name"]: c for c in example["scrape_configs"]}
     rules = [r for g in yaml.safe_load((PROMETHEUS / "tfprofd-alerts.yaml").read_text())["groups"] for r in g["rules"]]

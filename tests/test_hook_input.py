@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import socket
 import time
 import tracemalloc
@@ -254,3 +255,33 @@ def test_an_outlier_step_is_seen_by_the_rules_before_the_next_interval(agents, t
                  message="the rule to see the slow step (the next scheduled sample is 120 s away)")
     finally:
         reporter.close()
+
+
+def test_reports_the_kernel_dropped_on_a_full_udp_socket_are_counted_and_logged(agents):
+    """A UDP socket whose buffer is full drops what comes (a burst from many jobs, an agent that is paused):
+    every report sent is accepted, rejected or counted as dropped, and the log says what to raise."""
+    agent = agents()
+    payload = encode(valid(job="burst")).ljust(4000)  # JSON may end in blanks: 4 kB a report
+    # the agent asks for a 1 MiB buffer, which the kernel doubles at most: it holds fewer than 2 MiB / 4 kB
+    flood = 2 * (1 << 20) // len(payload) + 500
+    with reports_socket() as sock:
+        agent.signal(signal.SIGSTOP)
+        try:
+            for _ in range(flood):
+                sock.sendto(payload, ("127.0.0.1", agent.hook_port))
+        finally:
+            agent.signal(signal.SIGCONT)
+
+        def read() -> tuple[float, float, float]:
+            text = agent.scrape()
+            return (metric_value(text, "tfprofd_hook_reports_total"),
+                    metric_value(text, "tfprofd_hook_reports_rejected_total", reason="stale"),
+                    metric_value(text, "tfprofd_hook_reports_dropped_total"))
+
+        wait_for(lambda: read()[0] == 1, 10, message="the first report accepted")
+        # the reports queued before the buffer filled cannot tell of the drops after them: a later one does
+        sock.sendto(payload, ("127.0.0.1", agent.hook_port))
+        wait_for(lambda: sum(read()) == flood + 1, 10, message=f"{flood + 1} reports accounted for, got {read()}")
+    accepted, stale, dropped = read()
+    assert accepted == 1 and dropped > 500 and stale == flood - dropped  # the same report again: stale
+    wait_for(lambda: "receive buffer was full; raise net.core.rmem_max" in agent.log(), 5, message="drops logged")
