@@ -1114,10 +1114,9 @@ class TrainingCollector(Collector):
 
     # ---- sampling: processes that went away, jobs that expired ----
 
-    def _pid_gone(self, process: ProcessState) -> bool:
-        if process.key[0] != "local":
-            return False
-        return not (self.env.paths.procfs / str(process.latest.pid)).exists()
+    def _pid_gone(self, process: ProcessState, procfs: str) -> bool:
+        # os.path on a str: a Path built per process was two thirds of a sample of 1,000 local processes
+        return process.key[0] == "local" and not os.path.exists(f"{procfs}/{process.latest.pid}")
 
     def sample(self) -> bool:
         """Retire processes that exited or went quiet, forget jobs that stopped reporting long ago, and
@@ -1126,7 +1125,8 @@ class TrainingCollector(Collector):
         now = self.clock.monotonic()
         with self._lock:
             candidates = [(series, key, p) for series, job in self.jobs.items() for key, p in job.processes.items()]
-        exited = [(series, key, p) for series, key, p in candidates if self._pid_gone(p)]  # outside the lock
+        procfs = str(self.env.paths.procfs)
+        exited = [(series, key, p) for series, key, p in candidates if self._pid_gone(p, procfs)]  # outside the lock
         with self._lock:
             gone = {(series, key) for series, key, p in candidates if now - p.last_seen > self.settings.down_after}
             # A process that exited is retired a sample later: its last report may still wait in the Unix
