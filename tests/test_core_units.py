@@ -445,3 +445,52 @@ def test_wakes_during_samples_that_end_past_their_due_time_never_stop_the_sampli
         assert "died" not in (runner.state().problem or "")
     finally:
         runner.stop()
+
+
+def test_a_collector_enabled_again_on_a_dead_shared_thread_says_the_thread_died():
+    """The shared thread died (with every collector on it); a collector enabled again by a reload joins it: its
+    health must say why nothing samples it, not "no sample yet" forever."""
+    class Dying(Flaky):
+        def sample(self):
+            raise SystemExit("gone")  # not an Exception: escapes the per-sample guard
+
+    shared = SamplingThread("sampler", lambda: 3600.0, Clock(), shared=True)
+    dying = CollectorRunner(Dying(None, Environment()), lambda: 3600.0, Clock())
+    dying.start(shared)
+    wait_for(lambda: "died" in (dying.state().problem or ""), 10, message="the shared thread to die")
+    again = CollectorRunner(Flaky(None, Environment()), lambda: 3600.0, Clock())
+    again.start(shared)
+    state = again.state()
+    assert not state.healthy and "sampling thread died: SystemExit" in (state.problem or ""), state.problem
+
+
+def test_a_collector_stopped_while_another_samples_is_not_sampled_again():
+    """A reload that disables a collector while the shared thread samples another: the disabled one, though it
+    asked for a sample, is not sampled after stop() (its collector is being closed)."""
+    clock = FakeClock()
+    disabled = Flaky(None, Environment())
+    stopped = CollectorRunner(disabled, lambda: 3600.0, clock)
+
+    class Reloading(Flaky):
+        def sample(self):
+            if self.samples == 1:  # its second sample: the reload happens meanwhile
+                disabled.wake()
+                stopped.stop()
+            return super().sample()
+
+    reloading = Reloading(None, Environment())
+    shared = SamplingThread("sampler", lambda: 3600.0, clock, shared=True)
+    first = CollectorRunner(reloading, lambda: 3600.0, clock)
+    try:
+        first.start(shared)
+        stopped.start(shared)
+        wait_for(lambda: reloading.samples == 1 and disabled.samples == 1, 10, message="both sampled at once")
+        for turn in (2, 3):  # the turn during which the other is stopped, then a later one
+            clock.mono += 1.0  # past the wake rate limit: a wake is sampled at once
+            reloading.wake()
+            wait_for(lambda turn=turn: reloading.samples == turn, 10, message=f"sample {turn}")
+        assert disabled.samples == 1
+    finally:
+        first.stop()
+        shared.stop()
+        shared.join(10)
