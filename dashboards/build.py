@@ -247,7 +247,7 @@ def build() -> dashboard.Dashboard:
                             query(f"sum (rate(tfprofd_hook_reports_dropped_total{{{HOST}}}[{rate}]))",
                                   "dropped by the kernel", "C"),
                             description="Training-hook datagrams accepted, rejected (by reason) and dropped by the "
-                                        "kernel on a full UDP socket (raise net.core.rmem_max) per second."))
+                                        "kernel on a full UDP socket (see the agent's log) per second."))
     return d.build()
 
 

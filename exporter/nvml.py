@@ -47,7 +47,6 @@ NVML_ERROR_UNINITIALIZED, NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_NOT_SUPPORTED 
 NVML_ERROR_NOT_FOUND, NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_TIMEOUT = 6, 9, 10
 NVML_ERROR_FUNCTION_NOT_FOUND, NVML_ERROR_GPU_IS_LOST = 13, 15
 XID_CRITICAL_ERROR_EVENT = 0x8
-XID_WAIT_MS = 1000  # an event wait's timeout: stop() waits this long at most
 # Errors that mean NVML itself must be initialized again (a driver reload invalidates every handle).
 REINIT_ERRORS = (NVML_ERROR_UNINITIALIZED, NVML_ERROR_DRIVER_NOT_LOADED)
 # Errors that take a whole GPU down: its handle no longer answers anything.
@@ -762,9 +761,7 @@ class XidWatcher:
             try:
                 while not self._stop.is_set():
                     try:
-                        # 1 s: each return is a wake (~0.25-1 ms of cold CPU on a small VM, as much as a sample), and
-                        # stop() waits for it (NVML cannot interrupt a wait); 500 ms cost a second wake every second
-                        data = nvml.nvmlEventSetWait(event_set, XID_WAIT_MS)
+                        data = nvml.nvmlEventSetWait(event_set, 500)
                     except nvml.NVMLError as exc:
                         if getattr(exc, "value", None) == NVML_ERROR_TIMEOUT:
                             continue

@@ -73,6 +73,7 @@ UDP_BATCH = 1024  # datagrams at most in one batch
 UDP_BATCH_BYTES = 1 << 20  # and bytes (a flood of 64 KiB datagrams holds no more than the socket's buffer)
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _CMSG_SPACE = socket.CMSG_SPACE(_CREDS.size)
+UDP_BUFFER = 1 << 20  # bytes the agent asks for; the kernel grants twice that, or twice net.core.rmem_max if less
 SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)  # Linux's value, where Python's headers do not name it
 _DROPS = struct.Struct("I")  # SO_RXQ_OVFL's message: the datagrams the socket dropped so far (wraps at 2^32)
 _DROPS_SPACE = socket.CMSG_SPACE(_DROPS.size)
@@ -319,6 +320,15 @@ def unix_queue(procfs: Path = OWN_PROC) -> int:
         return max(1, int((procfs / "sys/net/unix/max_dgram_qlen").read_text()))
     except (OSError, ValueError):
         return UNIX_QUEUE_DEFAULT
+
+
+def dropped_since(seen: int, count: int) -> int:
+    """How many more datagrams the kernel's count of a socket's drops (a u32, SO_RXQ_OVFL) says it dropped since
+    it said ``seen``: 0 for a count older than that (each datagram carries the count as it was when the kernel
+    read it, which Linux 6.18 does before taking the queue's lock: with a queue per NUMA node, a datagram that
+    carries 5 can follow one that carries 7). Counts half the u32 range apart or less are compared."""
+    grew = (count - seen) % 2**32
+    return grew if grew < 2**31 else 0
 
 
 class _Rate:
@@ -811,6 +821,7 @@ class TrainingCollector(Collector):
         self.dropped = 0  # reports the kernel dropped on the UDP socket (its buffer full), as later ones told
         self._drops_seen = 0  # the kernel's count (a u32) in the latest report that carried one
         self._drops_logged = (0, -math.inf)  # dropped and monotonic time at the last warning
+        self._udp_buffer = 0  # bytes of the UDP socket's receive buffer, as the kernel granted them
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._problem: str | None = None
@@ -831,6 +842,7 @@ class TrainingCollector(Collector):
                 self._sockets.append(self._open_unix(Path(settings.socket)))
             if settings.listen:
                 self._sockets.append(self._open_udp(settings.listen))
+                self._udp_buffer = self._sockets[-1].getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)  # as granted
             self._closing, self._wake_closing = socket.socketpair()
             for sock in (*self._sockets, self._closing):
                 self._selector.register(sock, selectors.EVENT_READ)
@@ -851,8 +863,11 @@ class TrainingCollector(Collector):
     def _open_udp(address: tuple[str, int]) -> socket.socket:
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_DGRAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)  # ride out bursts from many workers
-        sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)  # each datagram says how many the kernel dropped
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_BUFFER)  # ride out bursts from many workers
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)  # each datagram says how many the kernel dropped
+        except OSError as exc:  # a kernel or sandbox without it: reports are received, drops go uncounted
+            log.info("the hook's UDP socket cannot count the reports the kernel drops (SO_RXQ_OVFL: %s)", exc)
         sock.bind(address)
         sock.setblocking(False)
         return sock
@@ -1002,11 +1017,11 @@ class TrainingCollector(Collector):
         full (a burst from many jobs, an agent paused) drops what comes, and the next report queued tells."""
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(data) >= _DROPS.size:
-                (count,) = _DROPS.unpack_from(data)
-                grew = (count - self._drops_seen) % 2**32  # reports come in queue order: the count never falls
-                self._drops_seen = count
-                with self._lock:
-                    self.dropped += grew
+                grew = dropped_since(self._drops_seen, _DROPS.unpack_from(data)[0])
+                if grew:
+                    self._drops_seen = (self._drops_seen + grew) % 2**32
+                    with self._lock:
+                        self.dropped += grew
 
     def receive(self, payload: bytes, sender: Sender, table: UdpTable | None = None) -> bool:
         """Validate and apply one report; count and drop anything malformed, whatever goes wrong. ``table``:
@@ -1163,8 +1178,10 @@ class TrainingCollector(Collector):
         dropped = self._sampled.dropped
         if dropped > logged and now - at >= DROPS_LOG_EVERY:
             self._drops_logged = (dropped, now)
-            log.warning("the kernel dropped %d hook reports on the UDP socket (%d in all): its receive buffer was "
-                        "full; raise net.core.rmem_max (the agent asks for 1 MiB)", dropped - logged, dropped)
+            advice = (f"raise net.core.rmem_max to {UDP_BUFFER} or more (the agent asks for that much)"
+                      if self._udp_buffer < 2 * UDP_BUFFER else "the agent fell behind (stopped, or short of CPU)")
+            log.warning("the kernel dropped %d hook reports on the UDP socket (%d in all): its receive buffer "
+                        "(%d KiB) was full; %s", dropped - logged, dropped, self._udp_buffer // 1024, advice)
 
     def configure(self, settings: HookSettings) -> None:
         super().configure(settings)
