@@ -63,8 +63,7 @@ NEW_JOB_LOGS_PER_MINUTE = 20
 REFUSED_LOGS_PER_MINUTE = 20
 UDP_GATHER_SECONDS = 0.25  # a UDP report waits at most this long for others to share its socket-table read
 UDP_GATHER_STEP = 0.02  # s: a gathering drains the socket this often (its buffer holds far more than that)
-UDP_GATHER_STEP_ROOMY = 0.125  # s: as often, where the socket's buffer holds a report of every job at once
-REPORT_BUFFER_BYTES = 4096  # of a socket's buffer a report takes at most (2.5 KB measured for 344 bytes)
+UDP_GATHER_STEP_ROOMY = 0.125  # s: as often, where the socket's buffer holds what comes meanwhile (gather_step)
 UDP_GATHER_RATE = 100.0  # UDP reports a second from which they are gathered (below it, each burst is read alone)
 UNIX_PAUSE_S = 0.25  # after its reports are read, the Unix socket waits at most this long before the next read
 UNIX_QUEUE_DEFAULT = 10  # the kernel's default net.unix.max_dgram_qlen (systemd sets 512)
@@ -322,6 +321,16 @@ def unix_queue(procfs: Path = OWN_PROC) -> int:
         return max(1, int((procfs / "sys/net/unix/max_dgram_qlen").read_text()))
     except (OSError, ValueError):
         return UNIX_QUEUE_DEFAULT
+
+
+def gather_step(buffer: int, per_second: float, largest: int) -> float:
+    """How long a UDP gathering may leave the socket undrained: ``UDP_GATHER_STEP_ROOMY`` where the reports
+    that come meanwhile at four times ``per_second`` (a ramp), each taking of the ``buffer`` what the kernel
+    charges for a datagram of ``largest`` bytes (at most twice its size and 1 KiB: 1,280 bytes for 344, 16,644
+    for 8,000 on loopback), fit in it; ``UDP_GATHER_STEP`` otherwise (the kernel's default rmem_max with 1,000
+    jobs: a ramp of 200 reports a second, then 1,000 within 0.1 s, overflowed anything slower)."""
+    expected = 4 * per_second * UDP_GATHER_STEP_ROOMY * (2 * largest + 1024)
+    return UDP_GATHER_STEP_ROOMY if expected <= buffer else UDP_GATHER_STEP
 
 
 def dropped_since(seen: int, count: int) -> int:
@@ -952,8 +961,8 @@ class TrainingCollector(Collector):
                 table = UdpTable(ports=_ports(batch))  # read once for the batch, when its first UDP report needs it
                 for payload, sender in batch:  # at once: a job's last report comes as it exits
                     self.receive(payload, sender, table)
-                if udp and batch and rate.add(len(batch)) >= UDP_GATHER_RATE:
-                    more = self._gather(sock, [])
+                if udp and batch and (udp_rate := rate.add(len(batch))) >= UDP_GATHER_RATE:
+                    more = self._gather(sock, udp_rate, max(len(payload) for payload, _ in batch))
                     if more is None or self._stop.is_set():
                         return
                     rate.add(len(more))
@@ -977,7 +986,7 @@ class TrainingCollector(Collector):
                 break
         return batch
 
-    def _gather(self, sock: socket.socket, batch: list[tuple[bytes, Sender]]) -> list[tuple[bytes, Sender]] | None:
+    def _gather(self, sock: socket.socket, per_second: float, largest: int) -> list[tuple[bytes, Sender]] | None:
         """More UDP datagrams for ``UDP_GATHER_SECONDS`` after the first, from ``UDP_GATHER_RATE`` reports a
         second: 1,000 jobs report at their own phases, so draining alone left batches of a few datagrams and a
         2 ms read of the socket table for each (13% of a core). Reports wait at most that long; the sampler
@@ -985,21 +994,27 @@ class TrainingCollector(Collector):
         (its socket closed) cannot be verified and is refused (``unverified_sender``), so below that rate
         nothing is gathered. The socket is drained every ``UDP_GATHER_STEP``, not as each datagram comes: jobs
         at their own phases woke the loop for every one (a wait, a read and a read that found none each); every
-        ``UDP_GATHER_STEP_ROOMY`` where the kernel granted a buffer that holds a report of every job at once
-        (``net.core.rmem_max`` 2 MiB or more for 1,000 jobs): 3 wakes a gathering, not 13 (1,000 jobs at their
-        own phases, side by side: 0.91-0.95x of the CPU). With the default 212,992 bytes a ramp of reports
-        (200 a second, then 1,000 within 0.1 s) overflowed anything but 20 ms drains."""
-        roomy = self._udp_buffer >= self.settings.max_jobs * REPORT_BUFFER_BYTES
-        step = UDP_GATHER_STEP_ROOMY if roomy else UDP_GATHER_STEP
+        ``UDP_GATHER_STEP_ROOMY`` where the buffer the kernel granted holds what comes meanwhile (``gather_step``,
+        from the reports' rate and size, measured over a first 20 ms, and again at each drain): 4 wakes a
+        gathering, not 13. ``per_second``: the rate of reports so far; ``largest``: the largest, in bytes."""
         deadline = time.monotonic() + UDP_GATHER_SECONDS
-        size = sum(len(payload) for payload, _ in batch)
+        batch: list[tuple[bytes, Sender]] = []
+        size = 0
+        step, waited_from = UDP_GATHER_STEP, None  # the first wait is short: what comes in it gives the rate
         while True:
             more = self._drain(sock, UDP_BATCH - len(batch))
             if more is None:
                 return None
+            now = time.monotonic()
             batch += more
-            size += sum(len(payload) for payload, _ in more)
-            left = deadline - time.monotonic()
+            if more:
+                size += sum(len(payload) for payload, _ in more)
+                largest = max(largest, *(len(payload) for payload, _ in more))
+            if waited_from is not None:  # faster or larger reports than before: drain sooner, from this drain on
+                step = gather_step(self._udp_buffer, max(per_second, len(more) / max(now - waited_from, 1e-3)),
+                                   largest)
+            waited_from = now
+            left = deadline - now
             if len(batch) >= UDP_BATCH or size >= UDP_BATCH_BYTES or left <= 0:
                 return batch
             if self._stop.wait(min(left, step)):

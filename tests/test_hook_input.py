@@ -8,11 +8,21 @@ import signal
 import socket
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
 from tfprofd.exporter.hook import Reporter
-from tfprofd.exporter.training import MAX_BRACKETS, REJECT_REASONS, Rejected, dropped_since, parse_report
+from tfprofd.exporter.training import (
+    MAX_BRACKETS,
+    REJECT_REASONS,
+    UDP_GATHER_STEP,
+    UDP_GATHER_STEP_ROOMY,
+    Rejected,
+    dropped_since,
+    gather_step,
+    parse_report,
+)
 
 from helpers import metric_value, reports_socket, wait_for
 
@@ -260,6 +270,8 @@ def test_an_outlier_step_is_seen_by_the_rules_before_the_next_interval(agents, t
 def test_reports_the_kernel_dropped_on_a_full_udp_socket_are_counted_and_logged(agents):
     """A UDP socket whose buffer is full drops what comes (a burst from many jobs, an agent that is paused):
     every report sent is accepted, rejected or counted as dropped, and the log says what to do."""
+    if int(Path("/sys/class/net/lo/mtu").read_text()) < 60028:
+        pytest.skip("loopback's MTU would fragment 60 kB reports (fragments past netdev_max_backlog go uncounted)")
     agent = agents(args=["--hook.max-datagram-bytes", "65507"])
     payload = encode(valid(job="burst")).ljust(60000)  # JSON may end in blanks: 60 kB a report
     # The agent asks for a 4 MiB buffer, which the kernel doubles at most: it holds fewer than 8 MiB / 60 kB. Fewer
@@ -304,3 +316,15 @@ def test_a_drop_count_older_than_one_seen_adds_nothing():
         grew = dropped_since(seen, count)
         seen, total = (seen + grew) % 2**32, total + grew
     assert (seen, total) == (2, 5)
+
+
+def test_a_udp_gathering_drains_slowly_only_where_the_buffer_holds_what_comes_meanwhile():
+    """The slower drain (fewer wakes) is chosen from the reports' rate and size, not from hook.max_jobs: a low
+    max_jobs with many more senders, or large reports, overflowed a default-sized buffer (a review: 650 of
+    6,000 dropped, none with 20 ms drains)."""
+    default, roomy = 2 * 212992, 2 * (4 << 20)  # granted with the kernel's default rmem_max, and with 4 MiB
+    assert gather_step(roomy, 1000, 350) == UDP_GATHER_STEP_ROOMY  # 1,000 jobs at their own phases
+    assert gather_step(default, 1000, 350) == UDP_GATHER_STEP
+    assert gather_step(default, 3000, 350) == UDP_GATHER_STEP  # many senders, whatever max_jobs says
+    assert gather_step(roomy, 3000, 8000) == UDP_GATHER_STEP  # large reports take far more of the buffer
+    assert gather_step(default, 150, 350) == UDP_GATHER_STEP_ROOMY  # a few jobs: room enough anywhere
