@@ -1008,8 +1008,9 @@ class TrainingCollector(Collector):
             now = time.monotonic()
             batch += more
             if more:
-                size += sum(len(payload) for payload, _ in more)
-                largest = max(largest, *(len(payload) for payload, _ in more))
+                sizes = [len(payload) for payload, _ in more]
+                size += sum(sizes)
+                largest = max(largest, *sizes)
             if waited_from is not None:  # faster or larger reports than before: drain sooner, from this drain on
                 step = gather_step(self._udp_buffer, max(per_second, len(more) / max(now - waited_from, 1e-3)),
                                    largest)
@@ -1040,9 +1041,10 @@ class TrainingCollector(Collector):
         full (a burst from many jobs, an agent paused) drops what comes, and the next report queued tells."""
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(data) >= _DROPS.size:
-                grew = dropped_since(self._drops_seen, _DROPS.unpack_from(data)[0])
+                count = _DROPS.unpack_from(data)[0]
+                grew = dropped_since(self._drops_seen, count)
                 if grew:
-                    self._drops_seen = (self._drops_seen + grew) % 2**32
+                    self._drops_seen = count
                     with self._lock:
                         self.dropped += grew
 
