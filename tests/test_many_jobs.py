@@ -523,6 +523,49 @@ def test_a_batch_asks_the_kernel_for_the_sockets_on_its_senders_ports_in_one_rea
             s.close()
 
 
+def test_a_large_batch_reads_every_socket_but_keeps_only_those_on_its_ports():
+    """A batch from more ports than the kernel filters well reads every socket, and keeps those on its ports:
+    the kernel's reads of sockets alike are sliced in C (only a socket on a batch's port is unpacked), and
+    give what reading each message in Python gives, whatever the read (a mixed one is read message by message)."""
+    from tfprofd.exporter import training
+
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(600)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in sockets]
+        asked = {*random.Random(24).sample(ports, 3 * training.PORT_FILTER), 1, 65535}
+        every = training.diag_udp_sockets()
+        assert set(ports) <= set(every)
+        listed = training.diag_udp_sockets(asked)
+        assert set(listed) <= asked
+        assert {p: sorted(listed.get(p, [])) for p in asked} == {p: sorted(every.get(p, [])) for p in asked}
+        # the kernel's own reads, as it sent them, through both ways of reading them
+        reads = []
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, training.NETLINK_SOCK_DIAG) as nl:
+            request = training._DIAG_REQUEST.pack(socket.AF_INET, socket.IPPROTO_UDP, 0, 0xFFFFFFFF)
+            nl.send(training._NLMSG.pack(training._NLMSG.size + len(request), training.SOCK_DIAG_BY_FAMILY,
+                                         training._NLM_F_DUMP_REQUEST, 7, 0) + request)
+            while not reads or len(reads[-1]) > training._NLMSG.size + 4:  # up to the dump's end (NLMSG_DONE)
+                reads.append(nl.recv(1 << 16))
+        assert len(reads) > 2
+        wanted = {socket.htons(p) for p in asked}
+        for data in reads[:-1]:
+            for only in (None, wanted):
+                sliced: dict = {}
+                alone: dict = {}
+                assert training._diag_alike(data, 7, sliced, only)
+                assert not training._diag_part(data, 7, alone, only)
+                assert sliced == alone
+                assert not training._diag_alike(data, 8, {}, only)  # another request's answer
+        mixed = reads[0] + reads[-1]  # sockets, then the dump's end: read a message at a time
+        assert not training._diag_alike(mixed, 7, {}, None)
+        assert training._diag_part(mixed, 7, {}, None)
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def test_a_job_that_reports_again_hands_the_rules_the_same_labels_dict():
     """1,000 jobs report every second, so each is frozen again at every sample: its labels dict stays the same
     object, which the rules engine keeps a sorted key for instead of sorting it again (issue 24)."""
