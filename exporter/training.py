@@ -326,13 +326,16 @@ def unix_queue(procfs: Path = OWN_PROC) -> int:
 
 
 def gather_step(buffer: int, per_second: float, largest: int) -> float:
-    """How long a UDP gathering may leave the socket undrained: ``UDP_GATHER_STEP_ROOMY`` where the reports
-    that come meanwhile at four times ``per_second`` (a ramp), each taking of the ``buffer`` what the kernel
-    charges for a datagram of ``largest`` bytes (at most twice its size and 1 KiB: 1,280 bytes for 344, 16,644
-    for 8,000 on loopback), fit in it; ``UDP_GATHER_STEP`` otherwise (the kernel's default rmem_max with 1,000
-    jobs: a ramp of 200 reports a second, then 1,000 within 0.1 s, overflowed anything slower)."""
-    expected = 4 * per_second * UDP_GATHER_STEP_ROOMY * (2 * largest + 1024)
-    return UDP_GATHER_STEP_ROOMY if expected <= buffer else UDP_GATHER_STEP
+    """How long a UDP gathering may leave the socket undrained: the longest of ``UDP_GATHER_SECONDS`` (one
+    wait a gathering) and ``UDP_GATHER_STEP_ROOMY`` over which the reports that come at four times
+    ``per_second`` (a ramp), each taking of the ``buffer`` what the kernel charges for a datagram of
+    ``largest`` bytes (at most twice its size and 1 KiB: 1,280 bytes for 344, 16,644 for 8,000 on loopback),
+    fit in it; ``UDP_GATHER_STEP`` otherwise (the kernel's default rmem_max with 1,000 jobs: a ramp of 200
+    reports a second, then 1,000 within 0.1 s, overflowed anything slower)."""
+    for step in (UDP_GATHER_SECONDS, UDP_GATHER_STEP_ROOMY):
+        if 4 * per_second * step * (2 * largest + 1024) <= buffer:
+            return step
+    return UDP_GATHER_STEP
 
 
 def dropped_since(seen: int, count: int) -> int:
@@ -1014,14 +1017,14 @@ class TrainingCollector(Collector):
         last report gathered after its process exited (its socket closed) cannot be verified and is refused
         (``unverified_sender``), so below that rate nothing is gathered. The socket is drained every
         ``UDP_GATHER_STEP``, not as each datagram comes: jobs at their own phases woke the loop for every one
-        (a wait, a read and a read that found none each); every ``UDP_GATHER_STEP_ROOMY`` where the buffer the
-        kernel granted holds what comes meanwhile (``gather_step``, from the reports' rate and size, measured
-        over a first 20 ms, and again at each drain): 4 wakes a gathering, not 13. ``per_second``: the rate of
-        reports so far; ``largest``: the largest, in bytes."""
+        (a wait, a read and a read that found none each); once a gathering, or every ``UDP_GATHER_STEP_ROOMY``,
+        where the buffer the kernel granted holds what comes meanwhile (``gather_step``, from the reports' rate
+        over the last second and their size, and again at each drain): 2 wakes a gathering, not 13.
+        ``per_second``: the rate of reports so far; ``largest``: the largest, in bytes."""
         deadline = time.monotonic() + UDP_GATHER_SECONDS
         batch: list[tuple[bytes, Sender]] = []
         size = 0
-        step, waited_from = UDP_GATHER_STEP, None  # the first wait is short: what comes in it gives the rate
+        step, waited_from = gather_step(self._udp_buffer, per_second, largest), None
         while True:
             more = self._drain(sock, UDP_BATCH - len(batch))
             if more is None:

@@ -16,6 +16,7 @@ from tfprofd.exporter.hook import Reporter
 from tfprofd.exporter.training import (
     MAX_BRACKETS,
     REJECT_REASONS,
+    UDP_GATHER_SECONDS,
     UDP_GATHER_STEP,
     UDP_GATHER_STEP_ROOMY,
     Rejected,
@@ -323,8 +324,10 @@ def test_a_udp_gathering_drains_slowly_only_where_the_buffer_holds_what_comes_me
     max_jobs with many more senders, or large reports, overflowed a default-sized buffer (a review: 650 of
     6,000 dropped, none with 20 ms drains)."""
     default, roomy = 2 * 212992, 2 * (4 << 20)  # granted with the kernel's default rmem_max, and with 4 MiB
-    assert gather_step(roomy, 1000, 350) == UDP_GATHER_STEP_ROOMY  # 1,000 jobs at their own phases
+    assert gather_step(roomy, 1000, 350) == UDP_GATHER_SECONDS  # 1,000 jobs at their own phases: one wait
+    assert gather_step(roomy, 6000, 350) == UDP_GATHER_STEP_ROOMY
     assert gather_step(default, 1000, 350) == UDP_GATHER_STEP
     assert gather_step(default, 3000, 350) == UDP_GATHER_STEP  # many senders, whatever max_jobs says
     assert gather_step(roomy, 3000, 8000) == UDP_GATHER_STEP  # large reports take far more of the buffer
-    assert gather_step(default, 150, 350) == UDP_GATHER_STEP_ROOMY  # a few jobs: room enough anywhere
+    assert gather_step(default, 300, 350) == UDP_GATHER_STEP_ROOMY
+    assert gather_step(default, 150, 350) == UDP_GATHER_SECONDS  # a few jobs: room enough anywhere
