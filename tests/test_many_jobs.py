@@ -277,9 +277,9 @@ def test_a_family_kept_from_the_last_rendering_is_written_again_only_while_it_is
 
 
 def test_a_report_is_handled_at_once_not_after_the_gathering(monkeypatch):
-    """A job's last report comes as it exits, and its sockets (the report's, its profiler's) close with it: the
-    first reports of a burst are checked against the socket tables at once, and only later ones wait to share
-    that read (handled after a gathering, every short job's final report was refused: its sender was gone)."""
+    """A job's last report comes as it exits, and its sockets (the report's, its profiler's) close with it: below
+    the gathering rate a report is checked against the socket tables at once (handled after a gathering, every
+    short job's final report was refused: its sender was gone)."""
     import tfprofd.exporter.training as training
 
     monkeypatch.setattr(training, "UDP_GATHER_SECONDS", 600.0)  # a gathering that outlasts the test
