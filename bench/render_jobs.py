@@ -35,7 +35,14 @@ from tfprofd.daemon.rules import DEFAULT_RULES, Engine, History
 from tfprofd.exporter.base import Environment, Sectioned
 from tfprofd.exporter.hook import Reporter
 from tfprofd.exporter.registry import signal_catalog
-from tfprofd.exporter.training import HookSettings, Sender, TrainingCollector, UdpTable, identify_udp_sender
+from tfprofd.exporter.training import (
+    HookSettings,
+    Rejected,
+    Sender,
+    TrainingCollector,
+    UdpTable,
+    identify_udp_sender,
+)
 
 import common  # puts tests/ on the path
 from helpers import FakeClock
@@ -46,6 +53,17 @@ ROUNDS = 2 if QUICK else 9
 BATCH = 256
 STEADY_SAMPLES = 30 if QUICK else 660  # samples a second kept before the steady engine's rounds: past a baseline
 TEXT_TABLE = "bench: /proc/net/udp, as before netlink"  # set as why netlink failed: the agent reads the text
+
+
+def identified(port: int, table: UdpTable | None) -> bool:
+    """Whether the sender on ``port`` (one of the bench's sockets) is identified. /proc/net/udp, read in parts,
+    can miss a socket while another process opens and closes sockets (the agent reads it up to three times
+    for a port it does not list): a miss is counted, not taken for a failure of the bench."""
+    try:
+        identify_udp_sender("127.0.0.1", port, table=table)
+    except Rejected:
+        return False
+    return True
 
 
 def main() -> None:
@@ -76,6 +94,7 @@ def main() -> None:
     baselines = [History((t, rng.uniform(1500, 1700)) for t in range(600)) for _ in range(JOBS)]
     gc.collect()
     gc.freeze()  # as the agent does after its start
+    refused = 0  # identifications the text table missed (see identified)
     figures: dict[str, list[float]] = {k: [] for k in ("receive", "sample", "library", "hand", "per_report",
                                                         "per_batch", "per_batch_text", "rules", "relabelled", "kept",
                                                         "afresh", "slid", "steady")}
@@ -132,7 +151,7 @@ def main() -> None:
             UdpTable.diag_problem = TEXT_TABLE
             t0 = time.perf_counter()
             for port in ports[:BATCH]:
-                identify_udp_sender("127.0.0.1", port)
+                refused += not identified(port, None)
             t1 = time.perf_counter()
             batched = {}
             for name in sorted(("per_batch", "per_batch_text"), reverse=round_ % 2 == 1):
@@ -141,7 +160,7 @@ def main() -> None:
                 for i in range(0, len(ports), BATCH):
                     table = UdpTable()
                     for port in ports[i:i + BATCH]:
-                        identify_udp_sender("127.0.0.1", port, table=table)
+                        refused += not identified(port, table)
                 batched[name] = time.perf_counter() - started_batches
             UdpTable.diag_problem = None
             if round_ == 0:
@@ -171,7 +190,9 @@ def main() -> None:
           f"{us['per_report']:.1f} µs, once per batch of {BATCH} {us['per_batch']:.1f} µs: "
           f"{us['per_report'] / us['per_batch']:.1f}x; the batch's read of /proc/net/udp "
           f"{us['per_batch_text']:.1f} µs, the kernel's list over netlink {us['per_batch']:.1f} µs: "
-          f"{us['per_batch_text'] / us['per_batch']:.1f}x")
+          f"{us['per_batch_text'] / us['per_batch']:.1f}x" + (f" ({refused} senders refused: /proc/net/udp missed "
+                                                          "their sockets while others were opened and closed)"
+                                                          if refused else ""))
     print(f"  render rule_active of a job (text and OpenMetrics, no state changed): label sets kept "
           f"{us['relabelled']:.1f} µs, the family's lines kept {us['kept']:.2f} µs: "
           f"{us['relabelled'] / us['kept']:.1f}x (byte-identical)")

@@ -325,16 +325,19 @@ def unix_queue(procfs: Path = OWN_PROC) -> int:
         return UNIX_QUEUE_DEFAULT
 
 
-def gather_step(buffer: int, per_second: float, largest: int) -> float:
+def gather_step(buffer: int, per_second: float, largest: int, at_once: int) -> float:
     """How long a UDP gathering may leave the socket undrained: the longest of ``UDP_GATHER_SECONDS`` (one
     wait a gathering) and ``UDP_GATHER_STEP_ROOMY`` over which the reports that come at four times
-    ``per_second`` (a ramp), each taking of the ``buffer`` what the kernel charges for a datagram of
-    ``largest`` bytes (at most twice its size and 1 KiB: 1,280 bytes for 344, 16,644 for 8,000 on loopback),
-    fit in it; ``UDP_GATHER_STEP`` otherwise (the kernel's default rmem_max with 1,000 jobs: a ramp of 200
-    reports a second, then 1,000 within 0.1 s, overflowed anything slower)."""
-    for step in (UDP_GATHER_SECONDS, UDP_GATHER_STEP_ROOMY):
-        if 4 * per_second * step * (2 * largest + 1024) <= buffer:
-            return step
+    ``per_second`` (a ramp) fit in the ``buffer``, where ``at_once`` reports (every job at the same moment)
+    fit in it too, each taking what the kernel charges for a datagram of ``largest`` bytes (at most twice its
+    size and 1 KiB: 1,280 bytes for 344, 16,644 for 8,000 on loopback); ``UDP_GATHER_STEP`` otherwise (the
+    kernel's default rmem_max with 1,000 jobs: 150 reports a second, then 1,000 within 0.1 s, overflowed
+    anything slower, 490-680 of them dropped)."""
+    cost = 2 * largest + 1024
+    if at_once * cost <= buffer:
+        for step in (UDP_GATHER_SECONDS, UDP_GATHER_STEP_ROOMY):
+            if 4 * per_second * step * cost <= buffer:
+                return step
     return UDP_GATHER_STEP
 
 
@@ -353,6 +356,11 @@ class _Rate:
     def __init__(self) -> None:
         self._start, self._count, self._last = time.monotonic(), 0, 0.0
 
+    @property
+    def last_second(self) -> float:
+        """The rate over the last whole second (0 until one has passed)."""
+        return self._last
+
     def add(self, count: int) -> float:
         now = time.monotonic()
         self._count += count
@@ -370,6 +378,7 @@ NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
 INET_DIAG_REQ_BYTECODE = 1
 INET_DIAG_BC_S_GE, INET_DIAG_BC_S_LE = 2, 3
+TEXT_READS = 3  # reads of /proc/net/udp at most for a port none of them lists (UdpTable._listed)
 PORT_FILTER = 64  # a batch from at most this many source ports asks the kernel for their sockets, not for every one
 _NLM_F_DUMP_REQUEST = 0x301  # NLM_F_REQUEST | NLM_F_DUMP
 _NLMSG_ERROR, _NLMSG_DONE = 2, 3
@@ -446,10 +455,11 @@ def _diag_part(data: bytes, seq: int, found: dict[int, list[_DiagEntry]], wanted
 
 
 def _diag_alike(data: bytes, seq: int, found: dict[int, list[_DiagEntry]], wanted: set[int] | None) -> bool:
-    """``_diag_part`` for a read of sockets only, each message as long as the first (a dump's reads are: 124
-    bytes a socket, 261 a read, for IPv4 on Linux 6.18), in slices C takes: only a socket on a ``wanted`` port
-    is unpacked in Python (a step per socket was 1 ms of a read of 2,000, issue 24). False, adding nothing,
-    for any other read (the dump's end, an error, a mixed one: ``_diag_part`` reads it)."""
+    """``_diag_part`` for a read of sockets only, each message as long as the first (an IPv4 dump's reads are:
+    124 bytes a socket, 261 a read, on Linux 6.18), in slices C takes: only a socket on a ``wanted`` port is
+    unpacked in Python (a step per socket was 1 ms of a read of 2,000, issue 24). False, adding nothing, for
+    any other read (the dump's end, an error, a mixed one such as IPv6 sockets with and without a v6only
+    attribute: ``_diag_part`` reads it)."""
     length = int.from_bytes(data[:4], sys.byteorder)
     if length < _NLMSG.size + _DIAG_MESSAGE.size or length % 4 or len(data) % length:
         return False
@@ -492,6 +502,7 @@ class UdpTable:
         self._own_proc = own_proc
         self._ports = ports
         self._lines: dict[int, list[str]] | None = None
+        self._text_reads = 0  # reads of /proc/net/udp that ``_lines`` holds
         self._diag: dict[int, list[_DiagEntry]] | None = None
 
     def on_port(self, port: int) -> list[ProcSocket]:
@@ -514,10 +525,19 @@ class UdpTable:
                     UdpTable.diag_problem = str(exc)
                     log.info("UDP senders are identified from /proc/net/udp (sock_diag: %s)", exc)
             if self._diag is None:
-                self._lines = self._read()
+                self._lines, self._text_reads = self._read(), 1
         if self._diag is not None:
             return tuple(self._diag.get(port, ())), ()
-        return (), tuple((self._lines or {}).get(port, ()))
+        lines = self._lines or {}
+        while port not in lines and self._text_reads < TEXT_READS:
+            # The kernel writes /proc/net/udp a page a read and finds where it left off by counting sockets from
+            # the first: one that another process closes meanwhile shifts the count, and a socket past it goes
+            # unlisted (1,000 sockets and one process opening and closing others: a tenth of them missed in each
+            # read; sock_diag missed none). A port listed nowhere is read again, still after its datagram came.
+            for key, found in self._read().items():
+                lines.setdefault(key, found)
+            self._text_reads += 1
+        return (), tuple(lines.get(port, ()))
 
     def _read(self) -> dict[int, list[str]]:
         lines: dict[int, list[str]] = {}
@@ -983,7 +1003,8 @@ class TrainingCollector(Collector):
                         self._selector.unregister(sock)
                         resting[sock] = now + pause
                 if udp and batch and (udp_rate := rate.add(len(batch))) >= UDP_GATHER_RATE:
-                    more = self._gather(sock, udp_rate, max(len(payload) for payload, _ in batch))
+                    more = self._gather(sock, udp_rate, max(len(payload) for payload, _ in batch),
+                                        steady=rate.last_second >= UDP_GATHER_RATE)
                     if more is None or self._stop.is_set():
                         return
                     rate.add(len(more))
@@ -1008,7 +1029,8 @@ class TrainingCollector(Collector):
                 break
         return batch
 
-    def _gather(self, sock: socket.socket, per_second: float, largest: int) -> list[tuple[bytes, Sender]] | None:
+    def _gather(self, sock: socket.socket, per_second: float, largest: int,
+                steady: bool) -> list[tuple[bytes, Sender]] | None:
         """More UDP datagrams for ``UDP_GATHER_SECONDS`` after the first, from ``UDP_GATHER_RATE`` reports a
         second: 1,000 jobs report at their own phases, so draining alone left batches of a few datagrams and a
         2 ms read of the socket table for each (13% of a core). The first datagrams wait with them and share
@@ -1019,12 +1041,16 @@ class TrainingCollector(Collector):
         ``UDP_GATHER_STEP``, not as each datagram comes: jobs at their own phases woke the loop for every one
         (a wait, a read and a read that found none each); once a gathering, or every ``UDP_GATHER_STEP_ROOMY``,
         where the buffer the kernel granted holds what comes meanwhile (``gather_step``, from the reports' rate
-        over the last second and their size, and again at each drain): 2 wakes a gathering, not 13.
-        ``per_second``: the rate of reports so far; ``largest``: the largest, in bytes."""
+        and size, and again at each drain): 2 wakes a gathering, not 13. Where the rate was below the gathering
+        rate a second ago (``steady`` False: reports ramping up), the first wait is ``UDP_GATHER_STEP``, and
+        what comes in it gives the rate. ``per_second``: the rate of reports so far; ``largest``: the largest,
+        in bytes."""
         deadline = time.monotonic() + UDP_GATHER_SECONDS
         batch: list[tuple[bytes, Sender]] = []
         size = 0
-        step, waited_from = gather_step(self._udp_buffer, per_second, largest), None
+        at_once = self.settings.max_jobs
+        step = gather_step(self._udp_buffer, per_second, largest, at_once) if steady else UDP_GATHER_STEP
+        waited_from = None
         while True:
             more = self._drain(sock, UDP_BATCH - len(batch))
             if more is None:
@@ -1037,7 +1063,7 @@ class TrainingCollector(Collector):
                 largest = max(largest, *sizes)
             if waited_from is not None:  # faster or larger reports than before: drain sooner, from this drain on
                 step = gather_step(self._udp_buffer, max(per_second, len(more) / max(now - waited_from, 1e-3)),
-                                   largest)
+                                   largest, at_once)
             waited_from = now
             left = deadline - now
             if len(batch) >= UDP_BATCH or size >= UDP_BATCH_BYTES or left <= 0:
