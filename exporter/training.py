@@ -439,7 +439,7 @@ def _diag_part(data: bytes, seq: int, found: dict[int, list[_DiagEntry]], wanted
     offset = 0
     while offset + _NLMSG.size <= len(data):
         length, kind, _, got_seq, _ = _NLMSG.unpack_from(data, offset)
-        if length < _NLMSG.size:
+        if length < _NLMSG.size or offset + length > len(data):
             raise OSError(errno.EPROTO, "malformed netlink message from sock_diag")
         if got_seq == seq:
             if kind == _NLMSG_DONE:
