@@ -411,6 +411,53 @@ def test_a_listener_that_cannot_start_leaves_nothing_open_or_bound(tmp_path, mon
     assert not path.exists()
 
 
+def test_a_udp_report_is_vouched_for_only_by_a_socket_table_read_made_after_it_came(monkeypatch):
+    """A socket the table lists may close, and its port be bound by another user, before a datagram from that
+    port comes: no read of the table vouches for a datagram received after it. At the gathering rate a batch
+    waits 0.25 s for more, and its one read is made once every datagram of it is in, gathered ones too."""
+    from tfprofd.exporter import training
+
+    received: dict[bytes, int] = {}  # a datagram -> how many the listener had received by then, itself included
+    last_read = [0]  # datagrams received when the socket table was last read
+    vouched: list[tuple[bytes, int]] = []  # a datagram, and datagrams received by the read that vouched for it
+    recv_udp, diag = TrainingCollector._recv_udp, training.diag_udp_sockets
+
+    def recv(self: TrainingCollector, sock: socket.socket) -> tuple[bytes, Sender]:
+        payload, sender = recv_udp(self, sock)
+        received[payload] = len(received) + 1
+        return payload, sender
+
+    def read(ports: object = None) -> dict:
+        last_read[0] = len(received)
+        return diag(ports)
+
+    monkeypatch.setattr(TrainingCollector, "_recv_udp", recv)
+    monkeypatch.setattr(training, "diag_udp_sockets", read)
+    collector = TrainingCollector(HookSettings(socket="", listen=("127.0.0.1", 0)), Environment())
+    receive = collector.receive
+
+    def checked(payload: bytes, sender: Sender, table: UdpTable | None = None) -> bool:
+        ok = receive(payload, sender, table)  # the table is read at its batch's first report
+        vouched.append((payload, last_read[0]))
+        return ok
+
+    collector.receive = checked  # type: ignore[method-assign]
+    senders = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(400)]
+    try:
+        for i, s in enumerate(senders):  # past the gathering rate: the first drain starts a gathering
+            s.sendto(json.dumps(Reporter(job=f"j{i}", worker="0", profiler=False, addr="127.0.0.1:9").report())
+                     .encode(), collector.udp_address)
+        wait_for(lambda: collector.accepted + sum(collector.rejected.values()) == len(senders), 60,
+                 message="every report handled")
+        assert collector.accepted == len(senders), {k: v for k, v in collector.rejected.items() if v}
+        assert len(vouched) == len(senders)
+        assert [p for p, read_after in vouched if received[p] > read_after] == []
+    finally:
+        collector.close()
+        for s in senders:
+            s.close()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to open sockets as another user")
 def test_the_kernels_socket_list_tells_each_users_udp_sender_apart():
     """The agent asks the kernel (sock_diag over netlink) who owns a datagram's socket instead of reading
