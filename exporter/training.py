@@ -528,7 +528,8 @@ class UdpTable:
                 self._lines, self._text_reads = self._read(), 1
         if self._diag is not None:
             return tuple(self._diag.get(port, ())), ()
-        lines = self._lines or {}
+        lines = self._lines
+        assert lines is not None  # read above, where netlink gave no listing
         while port not in lines and self._text_reads < TEXT_READS:
             # The kernel writes /proc/net/udp a page a read and finds where it left off by counting sockets from
             # the first: one that another process closes meanwhile shifts the count, and a socket past it goes

@@ -572,7 +572,7 @@ def test_a_socket_the_text_table_missed_is_looked_for_in_another_read(monkeypatc
 
     def read(self: object) -> dict[int, list[str]]:
         made.append(1)
-        return reads[(len(made) - 1) % len(reads)]
+        return dict(reads[(len(made) - 1) % len(reads)])  # a fresh listing, as each read of the file is
 
     monkeypatch.setattr(training.UdpTable, "_read", read)
     monkeypatch.setattr(training.UdpTable, "diag_problem", "sock_diag: refused (a test)")
@@ -581,6 +581,12 @@ def test_a_socket_the_text_table_missed_is_looked_for_in_another_read(monkeypatc
     assert [s.uid for s in table.on_port(4001)] == [1001] and len(made) == 2  # the second read lists it
     assert table.on_port(4002) == [] and len(made) == training.TEXT_READS  # listed nowhere: refused
     assert training.identify_udp_sender("127.0.0.1", 4001, table=table).uid == 1001
+    made.clear()
+    reads.insert(0, {})  # a first read that listed nothing: what later reads add is kept for the next lookups
+    table = training.UdpTable()
+    assert [s.uid for s in table.on_port(4000)] == [1000] and len(made) == 2
+    assert [s.uid for s in table.on_port(4001)] == [1001] and len(made) == 3
+    assert [s.uid for s in table.on_port(4000)] == [1000] and len(made) == 3
 
 
 def test_a_large_batch_reads_every_socket_but_keeps_only_those_on_its_ports():
