@@ -395,13 +395,11 @@ def diag_udp_sockets(ports: Collection[int] | None = None) -> dict[int, list[_Di
     does not answer (no udp_diag module, netlink refused by a sandbox)."""
     found: dict[int, list[_DiagEntry]] = {}
     wanted = None if ports is None else {socket.htons(port) for port in ports}  # as the kernel writes them
-    only = b"" if ports is None or len(wanted or ()) > PORT_FILTER else _port_filter(sorted(set(ports)))
+    only = b"" if wanted is None or len(wanted) > PORT_FILTER else _port_filter(sorted(map(socket.ntohs, wanted)))
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
         nl.settimeout(2.0)  # the kernel answers at once; never hang the listener on it (then /proc is read)
         for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), 1):
-            request = _DIAG_REQUEST.pack(family, socket.IPPROTO_UDP, 0, 0xFFFFFFFF) + only
-            nl.send(_NLMSG.pack(_NLMSG.size + len(request), SOCK_DIAG_BY_FAMILY, _NLM_F_DUMP_REQUEST, seq, 0)
-                    + request)
+            nl.send(_dump_request(seq, family, only))
             while True:
                 data = nl.recv(1 << 16)
                 if _diag_alike(data, seq, found, wanted):
@@ -409,6 +407,12 @@ def diag_udp_sockets(ports: Collection[int] | None = None) -> dict[int, list[_Di
                 if _diag_part(data, seq, found, wanted):
                     break
     return found
+
+
+def _dump_request(seq: int, family: int, only: bytes = b"") -> bytes:
+    """A netlink request for a dump of the UDP sockets of ``family``, through the bytecode filter ``only``."""
+    request = _DIAG_REQUEST.pack(family, socket.IPPROTO_UDP, 0, 0xFFFFFFFF) + only
+    return _NLMSG.pack(_NLMSG.size + len(request), SOCK_DIAG_BY_FAMILY, _NLM_F_DUMP_REQUEST, seq, 0) + request
 
 
 def _port_filter(ports: list[int]) -> bytes:

@@ -610,9 +610,7 @@ def test_a_large_batch_reads_every_socket_but_keeps_only_those_on_its_ports():
         reads = []
         with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, training.NETLINK_SOCK_DIAG) as nl:
             nl.settimeout(10)  # a kernel that ended the dump otherwise fails the test rather than hang it
-            request = training._DIAG_REQUEST.pack(socket.AF_INET, socket.IPPROTO_UDP, 0, 0xFFFFFFFF)
-            nl.send(training._NLMSG.pack(training._NLMSG.size + len(request), training.SOCK_DIAG_BY_FAMILY,
-                                         training._NLM_F_DUMP_REQUEST, 7, 0) + request)
+            nl.send(training._dump_request(7, socket.AF_INET))
             while not reads or len(reads[-1]) > training._NLMSG.size + 4:  # up to the dump's end (NLMSG_DONE)
                 reads.append(nl.recv(1 << 16))
         assert len(reads) > 2
