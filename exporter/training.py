@@ -1008,12 +1008,11 @@ class TrainingCollector(Collector):
                         self._selector.unregister(sock)
                         resting[sock] = now + pause
                 if udp and batch and (udp_rate := rate.add(len(batch))) >= UDP_GATHER_RATE:
-                    more = self._gather(sock, udp_rate, max(len(payload) for payload, _ in batch),
-                                        steady=rate.last_second >= UDP_GATHER_RATE)
-                    if more is None or self._stop.is_set():
+                    first = len(batch)
+                    if not self._gather(sock, batch, udp_rate, steady=rate.last_second >= UDP_GATHER_RATE) \
+                            or self._stop.is_set():
                         return
-                    rate.add(len(more))
-                    batch += more
+                    rate.add(len(batch) - first)
                 table = UdpTable(ports=_ports(batch))  # read once for the batch, when its first UDP report needs it
                 for payload, sender in batch:
                     self.receive(payload, sender, table)
@@ -1034,32 +1033,31 @@ class TrainingCollector(Collector):
                 break
         return batch
 
-    def _gather(self, sock: socket.socket, per_second: float, largest: int,
-                steady: bool) -> list[tuple[bytes, Sender]] | None:
-        """More UDP datagrams for ``UDP_GATHER_SECONDS`` after the first, from ``UDP_GATHER_RATE`` reports a
-        second: 1,000 jobs report at their own phases, so draining alone left batches of a few datagrams and a
-        2 ms read of the socket table for each (13% of a core). The first datagrams wait with them and share
-        their read (handled at once, they took a second read each gathering: 1,000 jobs' CPU is 0.93-0.96x without it).
-        Reports wait at most that long; the sampler reads them once an interval anyway. The price: a job's
-        last report gathered after its process exited (its socket closed) cannot be verified and is refused
-        (``unverified_sender``), so below that rate nothing is gathered. The socket is drained every
-        ``UDP_GATHER_STEP``, not as each datagram comes: jobs at their own phases woke the loop for every one
-        (a wait, a read and a read that found none each); once a gathering, or every ``UDP_GATHER_STEP_ROOMY``,
-        where the buffer the kernel granted holds what comes meanwhile (``gather_step``, from the reports' rate
-        and size, and again at each drain): 2 wakes a gathering, not 13. Where the rate was below the gathering
-        rate a second ago (``steady`` False: reports ramping up), the first wait is ``UDP_GATHER_STEP``, and
-        what comes in it gives the rate. ``per_second``: the rate of reports so far; ``largest``: the largest,
-        in bytes."""
+    def _gather(self, sock: socket.socket, batch: list[tuple[bytes, Sender]], per_second: float,
+                steady: bool) -> bool:
+        """Add more UDP datagrams to ``batch`` for ``UDP_GATHER_SECONDS`` after its first, from ``UDP_GATHER_RATE``
+        reports a second (False once the collector is closing): 1,000 jobs report at their own phases, so draining alone
+        left batches of a few datagrams and a 2 ms read of the socket table for each (13% of a core). The first
+        datagrams wait with them and share their read (handled at once, they took a second read each gathering: 1,000
+        jobs' CPU is 0.93-0.96x without it). Reports wait at most that long; the sampler reads them once an interval
+        anyway. The price: a job's last report gathered after its process exited (its socket closed) cannot be verified
+        and is refused (``unverified_sender``), so below that rate nothing is gathered. The socket is drained every
+        ``UDP_GATHER_STEP``, not as each datagram comes: jobs at their own phases woke the loop for every one (a wait, a
+        read and a read that found none each); once a gathering, or every ``UDP_GATHER_STEP_ROOMY``, where the buffer
+        the kernel granted holds what comes meanwhile (``gather_step``, from the reports' rate and size, and again at
+        each drain): 2 wakes a gathering, not 13. Where the rate was below the gathering rate a second ago (``steady``
+        False: reports ramping up), the first wait is ``UDP_GATHER_STEP``, and what comes in it gives the rate.
+        ``per_second``: the rate of reports so far."""
         deadline = time.monotonic() + UDP_GATHER_SECONDS
-        batch: list[tuple[bytes, Sender]] = []
-        size = 0
+        sizes = [len(payload) for payload, _ in batch]
+        size, largest = sum(sizes), max(sizes)
         at_once = self.settings.max_jobs
         step = gather_step(self._udp_buffer, per_second, largest, at_once) if steady else UDP_GATHER_STEP
         waited_from = None
         while True:
             more = self._drain(sock, UDP_BATCH - len(batch))
             if more is None:
-                return None
+                return False
             now = time.monotonic()
             batch += more
             if more:
@@ -1072,9 +1070,9 @@ class TrainingCollector(Collector):
             waited_from = now
             left = deadline - now
             if len(batch) >= UDP_BATCH or size >= UDP_BATCH_BYTES or left <= 0:
-                return batch
+                return True
             if self._stop.wait(min(left, step)):
-                return batch
+                return True
 
     @staticmethod
     def _recv_unix(sock: socket.socket) -> tuple[bytes, Sender]:
