@@ -13,7 +13,7 @@ import re
 import threading
 from array import array
 from bisect import bisect_left, insort
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,13 +192,13 @@ def parse_rules(loader: yaml.SafeLoader, node: yaml.Node, path: str, catalog: Ca
 # ---- evaluation ----
 
 
-def mean(values: list[float]) -> float:
+def mean(values: Sequence[float]) -> float:
     """statistics.fmean, which is this: the agent evaluates rules every sample, and importing ``statistics``
     (with fractions and decimal) would cost it 0.5 MB of resident memory for two one-line functions."""
     return math.fsum(values) / len(values)
 
 
-def aggregate(values: list[float], how: str) -> float:
+def aggregate(values: Sequence[float], how: str) -> float:
     if how == "last":
         return values[-1]
     if how == "mean":
@@ -260,11 +260,13 @@ class History:
     def last(self) -> float:
         return self._values[-1]
 
-    def between(self, start: float, end: float = math.inf) -> list[float]:
-        """The values of the samples at ``start`` <= t < ``end``."""
+    def between(self, start: float, end: float = math.inf) -> array:
+        """The values of the samples at ``start`` <= t < ``end``, as an array: not a list, which made a float object
+        of each value (the rules aggregate a window of each of 1,000 jobs' series every sample: 12% of their CPU,
+        issue 24)."""
         first = bisect_left(self._times, start, self._start)
         last = len(self._times) if end == math.inf else bisect_left(self._times, end, first)
-        return self._values[first:last].tolist()
+        return self._values[first:last]
 
     def forget_sorted(self) -> None:
         """Drop the windows kept sorted (the rules changed: a window no rule uses any more must not stay)."""

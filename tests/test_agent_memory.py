@@ -49,8 +49,8 @@ def test_a_rule_series_history_keeps_and_finds_what_a_scan_of_every_sample_found
         plain = [(t, v) for t, v in plain if t >= now - keep]
         assert list(history) == plain and len(history) == len(plain) and history.last() == plain[-1][1]
         start, end = now - rng.uniform(0, 300), now - rng.uniform(0, 30)
-        assert history.between(start, end) == [v for t, v in plain if start <= t < end]
-        assert history.between(end) == [v for t, v in plain if t >= end]
+        assert history.between(start, end).tolist() == [v for t, v in plain if start <= t < end]
+        assert history.between(end).tolist() == [v for t, v in plain if t >= end]
 
 
 def test_a_collector_part_keeps_its_rendering_but_none_of_the_families_it_rendered():

@@ -633,6 +633,39 @@ def test_a_large_batch_reads_every_socket_but_keeps_only_those_on_its_ports():
             s.close()
 
 
+def test_sock_diag_reads_keep_one_socket_and_a_failure_on_it_is_read_again_on_a_new_one(monkeypatch):
+    """Below the gathering rate every UDP report has a socket-table read of its own, so the reads share one netlink
+    socket. A dump left unfinished on it (the kernel then refuses the next: EBUSY) costs no read: it is made again
+    on a new socket and lists exactly its port's sockets. Only a new socket's failure is an error (then /proc is
+    read); the socket is closed after it, and the next read opens another."""
+    from tfprofd.exporter import training
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as mine, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+        mine.bind(("127.0.0.1", 0))
+        other.bind(("127.0.0.1", 0))
+        port = mine.getsockname()[1]
+        expected = training.diag_udp_sockets({port})
+        assert [uid for *_, uid in expected[port]] == [os.geteuid()]
+        kept = training._SOCK_DIAG._socket
+        assert kept is not None
+        assert training.diag_udp_sockets({port}) == expected and training._SOCK_DIAG._socket is kept
+        kept.send(training._dump_request(training._SOCK_DIAG._seq + 1, socket.AF_INET))  # unfinished: every socket
+        assert training.diag_udp_sockets({port}) == expected  # not the other socket, nor the host's others
+        assert training._SOCK_DIAG._socket not in (None, kept)
+
+        def refused(*args: object) -> bool:
+            raise OSError(errno.EPROTO, "malformed netlink message from sock_diag")
+
+        monkeypatch.setattr(training, "_diag_part", refused)
+        monkeypatch.setattr(training, "_diag_alike", lambda *args: False)
+        with pytest.raises(OSError, match="malformed"):
+            training.diag_udp_sockets({port})
+        assert training._SOCK_DIAG._socket is None
+        monkeypatch.undo()
+        assert training.diag_udp_sockets({port}) == expected
+
+
 def test_a_job_that_reports_again_hands_the_rules_the_same_labels_dict():
     """1,000 jobs report every second, so each is frozen again at every sample: its labels dict stays the same
     object, which the rules engine keeps a sorted key for instead of sorting it again (issue 24)."""
