@@ -417,12 +417,19 @@ class _SockDiag:
     cost 12% of the listener's CPU at 20 jobs reporting over UDP (issue 24). Its reads are one at a time (a
     lock), each dump under a sequence number of its own. A read that fails closes the socket; one that failed on
     the kept socket is made again on a new one (a dump it left unfinished makes the kernel refuse the next one),
-    so only a new socket's failure says the kernel does not answer."""
+    so only a new socket's failure says the kernel does not answer. The timeouts bound each wait for the kernel:
+    a signal that interrupts one (handled, not raised) starts it again. A child forked without exec gets a
+    lock and a socket of its own (the parent's, shared, would hand each the other's answers)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
         self._seq = 0
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+        self.close()  # the child's copy of the descriptor: the parent's socket stays open
 
     def dump(self, wanted: set[int] | None, only: bytes) -> dict[int, list[_DiagEntry]]:
         with self._lock:

@@ -4,11 +4,13 @@ UDP reports shares one read of the host's socket table."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -664,6 +666,52 @@ def test_sock_diag_reads_keep_one_socket_and_a_failure_on_it_is_read_again_on_a_
         assert training._SOCK_DIAG._socket is None
         monkeypatch.undo()
         assert training.diag_udp_sockets({port}) == expected
+
+
+def test_a_child_forked_during_a_sock_diag_read_reads_on_a_socket_of_its_own():
+    """A process forked without exec while another thread reads the kernel's socket list (the lock held, the kept
+    socket open) reads on its own: it neither waits forever on the lock nor shares the parent's socket, where
+    each would read the other's answers."""
+    from tfprofd.exporter import training
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as mine:
+        mine.bind(("127.0.0.1", 0))
+        port = mine.getsockname()[1]
+        expected = training.diag_udp_sockets({port})
+        kept = training._SOCK_DIAG._socket
+        with training._SOCK_DIAG._lock:  # as a read in progress on the listener's thread holds it
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    same = training.diag_udp_sockets({port}) == expected
+                    os._exit(0 if same and training._SOCK_DIAG._socket.fileno() != kept.fileno() else 1)
+                except BaseException:
+                    os._exit(2)
+        try:
+            status = _child_status(pid, 20)
+        finally:
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        assert status == 0
+        assert training._SOCK_DIAG._socket is kept and training.diag_udp_sockets({port}) == expected
+
+
+def _child_status(pid: int, timeout: float) -> int | None:
+    """A forked child's exit status, once it exits within ``timeout`` seconds (None if it did not)."""
+    found: list[int] = []
+
+    def exited() -> bool:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            found.append(os.waitstatus_to_exitcode(status))
+        return bool(done)
+
+    try:
+        wait_for(exited, timeout, message="the forked child")
+    except AssertionError:
+        return None
+    return found[0]
 
 
 def test_a_job_that_reports_again_hands_the_rules_the_same_labels_dict():
