@@ -8,13 +8,17 @@ compare the hours more than the code. Two agents at once see the same machine; t
 ``--base=REV`` (default ``HEAD~1``): the revision to compare with (its ``daemon/`` and ``exporter/``, from
 git). ``--jobs=N`` (20), ``--rounds=R`` (5) windows of ``--seconds=S`` (30). ``--unix``: the jobs report
 over each agent's Unix socket, as jobs on a host do (UDP otherwise); ``--spread``: at their own phases over
-each second (one burst otherwise). ``--quick``: 2 jobs, one window of 1 s, against ``HEAD`` (CI; without a
-git history, the checkout against itself).
+each second (one burst otherwise). ``--pods``: the jobs report over UDP from a network namespace of their own,
+through a veth pair, as pods on a pod network do (their address is not the host's: needs root and ``ip``).
+``--quick``: 2 jobs, one window of 1 s, against ``HEAD`` (CI; without a git history, the checkout against itself).
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +29,7 @@ from pathlib import Path
 from scrape import report_forever, wait_jobs
 
 from common import ROOT, cpu_seconds, rss_bytes, start_agent, stop
+from helpers import free_port
 
 
 def option(name: str, default: str) -> str:
@@ -32,7 +37,9 @@ def option(name: str, default: str) -> str:
 
 
 QUICK = "--quick" in sys.argv
-UNIX, SPREAD = "--unix" in sys.argv, "--spread" in sys.argv
+UNIX, SPREAD, PODS = "--unix" in sys.argv, "--spread" in sys.argv, "--pods" in sys.argv
+NETNS = f"tfprofd-bench-{os.getpid()}"
+HOST_SIDE, POD_SIDE = "10.254.213.1", "10.254.213.2"  # a /30 of the veth pair
 BASE = option("base", "HEAD" if QUICK else "HEAD~1")
 JOBS = 2 if QUICK else int(option("jobs", "20"))
 ROUNDS = 1 if QUICK else int(option("rounds", "5"))
@@ -59,26 +66,52 @@ def base_package(tmp: Path) -> Path | None:
     return package.parent
 
 
+def pod_network() -> None:
+    """A network namespace for the jobs, joined to the host's by a veth pair (``--pods``)."""
+    link = f"tfb{os.getpid()}"
+    for command in (f"ip netns add {NETNS}", f"ip link add {link} type veth peer name {link}p",
+                    f"ip link set {link}p netns {NETNS}", f"ip addr add {HOST_SIDE}/30 dev {link}",
+                    f"ip link set {link} up", f"ip -n {NETNS} addr add {POD_SIDE}/30 dev {link}p",
+                    f"ip -n {NETNS} link set {link}p up", f"ip -n {NETNS} link set lo up"):
+        subprocess.run(command.split(), check=True)
+
+
+def report_from_pods(netns: str, addr: str, jobs: int, stop_event: object, spread: bool) -> None:
+    """``report_forever`` from the pods' network namespace (``--pods``)."""
+    with open(f"/run/netns/{netns}") as namespace:
+        if ctypes.CDLL(None, use_errno=True).setns(namespace.fileno(), CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns")
+    report_forever(addr, jobs, stop_event, spread)
+
+
+CLONE_NEWNET = 0x40000000
+
+
 def main() -> None:
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         base = base_package(Path(tmp))
+        sent = "the Unix socket" if UNIX else "UDP from a network namespace of their own (pods)" if PODS else "UDP"
         print(f"tfprofd at this checkout against {BASE if base else 'itself (no git history)'}, both at once, "
               f"{JOBS} jobs each reporting {'at their own phases' if SPREAD else 'in one burst a second'} over "
-              f"{'the Unix socket' if UNIX else 'UDP'}, unscraped", flush=True)
+              f"{sent}, unscraped", flush=True)
         here = f"{ROOT / 'bench'}:{ROOT / 'tests'}"
         agents, senders = {}, []
         try:
+            if PODS:
+                pod_network()
             for name, path in (("base", f"{base}:{here}" if base else here), ("this", here)):
                 directory = Path(tmp) / name
                 directory.mkdir()
-                agent, port = start_agent(directory, 8, env={"PYTHONPATH": path})
+                listen = ["--hook.listen", f"{HOST_SIDE}:{free_port(socket.SOCK_DGRAM)}"] if PODS else []
+                agent, port = start_agent(directory, 8, extra=listen, env={"PYTHONPATH": path})
                 agents[name] = agent
                 command = Path(f"/proc/{agent.pid}/cmdline").read_text().split("\0")
-                udp = command[command.index("--hook.listen") + 1]
+                udp = command[len(command) - 1 - command[::-1].index("--hook.listen") + 1]  # the last one counts
                 stop_event = context.Event()
-                sender = context.Process(target=report_forever, daemon=True, args=(
-                    f"unix:{directory / 'hook.sock'}" if UNIX else udp, JOBS, stop_event, SPREAD))
+                sender = context.Process(target=report_from_pods if PODS else report_forever, daemon=True, args=(
+                    *([NETNS] if PODS else []), f"unix:{directory / 'hook.sock'}" if UNIX else udp, JOBS, stop_event,
+                    SPREAD))
                 sender.start()
                 senders.append((sender, stop_event))
                 wait_jobs(port, JOBS)
@@ -103,6 +136,8 @@ def main() -> None:
                 sender.join(10)
             for agent in agents.values():
                 stop(agent)
+            if PODS:
+                subprocess.run(["ip", "netns", "del", NETNS], check=False)  # the veth pair goes with it
 
 
 if __name__ == "__main__":

@@ -714,14 +714,35 @@ def _is_own_address(address: Address) -> bool:
     return True
 
 
+OWN_ADDRESS_KEPT_S = 10.0  # how long whether an address is this namespace's is known without binding to it again
+_own_addresses: dict[Address, tuple[bool, float]] = {}
+
+
+def _may_be_own(address: Address) -> bool:
+    """``_is_own_address``, known for OWN_ADDRESS_KEPT_S: it only decides whether the socket table is read for a
+    datagram (an address that became this host's meanwhile is taken for a peer's a few seconds longer: its
+    senders are trusted less, never more)."""
+    now = time.monotonic()
+    known = _own_addresses.get(address)
+    if known is None or now - known[1] > OWN_ADDRESS_KEPT_S:
+        if len(_own_addresses) >= 4096:  # a node with many pods: bounded
+            _own_addresses.clear()
+        known = _own_addresses[address] = (_is_own_address(address), now)
+    return known[0]
+
+
 def identify_udp_sender(address: str, port: int, own_proc: Path = OWN_PROC, table: UdpTable | None = None) -> Sender:
     """Who sent a UDP datagram: a process of this host (its socket is in the agent's network namespace,
     which tells its uid) or a remote peer such as a pod (its address only). Raises Rejected
     ("unverified_sender") for a loopback source whose socket is not found or has several owners. ``table``:
-    the sockets as a batch of datagrams read them (else read now)."""
+    the sockets as a batch of datagrams read them (else read now). From an address that is neither loopback nor
+    one of this namespace's (a pod's on the pod network, another host's), no socket here sent it: the table is not
+    read (below the gathering rate each such report took a read of its own, 40% of its CPU; issue 24)."""
     ip = _ip(address)
     if ip is None:
         raise Rejected("unverified_sender", f"source address {address!r} is not an IP address")
+    if not ip.is_loopback and not _may_be_own(ip):
+        return Sender(local=False, address=str(ip), port=port)
     uids, bound_here, loopback, text = (table or UdpTable(own_proc)).owners(address, port)
     if uids and (loopback or bound_here or _is_own_address(ip)):
         if len(uids) > 1:

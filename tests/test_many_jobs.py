@@ -668,6 +668,33 @@ def test_sock_diag_reads_keep_one_socket_and_a_failure_on_it_is_read_again_on_a_
         assert training.diag_udp_sockets({port}) == expected
 
 
+def test_a_udp_report_from_a_pods_address_costs_no_socket_table_read(monkeypatch):
+    """A datagram from an address that is neither loopback nor one of this host's (a pod on the pod network,
+    another host) was sent by no socket here: it is a peer's (its address only) without reading the socket table,
+    which a lone report paid for each. From loopback or one of the host's own addresses the table is read."""
+    from tfprofd.exporter import training
+
+    reads: list[object] = []
+    monkeypatch.setattr(training, "diag_udp_sockets", lambda ports=None: reads.append(ports) or {})
+    table = training.UdpTable(ports={41005})
+    for pod in ("192.0.2.7", "::ffff:192.0.2.7", "2001:db8::7"):
+        sender = training.identify_udp_sender(pod, 41005, table=table)
+        assert sender == training.Sender(local=False, address=str(training._ip(pod)), port=41005)
+    assert reads == []
+    with pytest.raises(training.Rejected, match="no socket of this host"):
+        training.identify_udp_sender("127.0.0.1", 41005, table=table)
+    assert reads == [{41005}]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no datagram is sent: the host's own address on its default route
+            own = probe.getsockname()[0]
+        except OSError:  # no route off loopback
+            own = "0.0.0.0"
+    if own != "0.0.0.0":
+        training.identify_udp_sender(own, 41006, table=training.UdpTable(ports={41006}))
+        assert reads == [{41005}, {41006}]
+
+
 def test_a_child_forked_during_a_sock_diag_read_reads_on_a_socket_of_its_own():
     """A process forked without exec while another thread reads the kernel's socket list (the lock held, the kept
     socket open) reads on its own: it neither waits forever on the lock nor shares the parent's socket, where
