@@ -40,6 +40,7 @@ QUICK = "--quick" in sys.argv
 UNIX, SPREAD, PODS = "--unix" in sys.argv, "--spread" in sys.argv, "--pods" in sys.argv
 NETNS = f"tfprofd-bench-{os.getpid()}"
 HOST_SIDE, POD_SIDE = "10.254.213.1", "10.254.213.2"  # a /30 of the veth pair
+CLONE_NEWNET = 0x40000000  # setns(2): join a network namespace
 BASE = option("base", "HEAD" if QUICK else "HEAD~1")
 JOBS = 2 if QUICK else int(option("jobs", "20"))
 ROUNDS = 1 if QUICK else int(option("rounds", "5"))
@@ -84,9 +85,6 @@ def report_from_pods(netns: str, addr: str, jobs: int, stop_event: object, sprea
     report_forever(addr, jobs, stop_event, spread)
 
 
-CLONE_NEWNET = 0x40000000
-
-
 def main() -> None:
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,11 +101,12 @@ def main() -> None:
             for name, path in (("base", f"{base}:{here}" if base else here), ("this", here)):
                 directory = Path(tmp) / name
                 directory.mkdir()
-                listen = ["--hook.listen", f"{HOST_SIDE}:{free_port(socket.SOCK_DGRAM)}"] if PODS else []
-                agent, port = start_agent(directory, 8, extra=listen, env={"PYTHONPATH": path})
+                pod_side = f"{HOST_SIDE}:{free_port(socket.SOCK_DGRAM)}" if PODS else None
+                agent, port = start_agent(directory, 8, extra=["--hook.listen", pod_side] if pod_side else None,
+                                          env={"PYTHONPATH": path})
                 agents[name] = agent
                 command = Path(f"/proc/{agent.pid}/cmdline").read_text().split("\0")
-                udp = command[len(command) - 1 - command[::-1].index("--hook.listen") + 1]  # the last one counts
+                udp = pod_side or command[command.index("--hook.listen") + 1]
                 stop_event = context.Event()
                 sender = context.Process(target=report_from_pods if PODS else report_forever, daemon=True, args=(
                     *([NETNS] if PODS else []), f"unix:{directory / 'hook.sock'}" if UNIX else udp, JOBS, stop_event,
