@@ -11,7 +11,11 @@ which NVML readings each GPU has, each collector's success and sampling duration
 that failed. With ``--workload`` (default 20 s; PyTorch with CUDA on that machine) a job runs on GPU 0 through
 the hook (``bench/gpu_workload.py``), at full speed and then slowed: the check prints, per phase, GPU 0's
 utilization and SM activity, the job's samples/s and step time, and whether ``tfprofd_gpu_job_info`` put the
-job's worker on the GPU (the join the straggler rule's GPU signal is built on). It writes the scrape, the log
+job's worker on the GPU (the join the straggler rule's GPU signal is built on). With ``--jobs N``, N simulated
+jobs report (over UDP from loopback, or ``--unix`` over the hook's Unix socket) at their own phases once a
+second, and the check prints the agent's CPU with them, unscraped for up to 20 s and then while it scrapes every
+second (the kernel's UDP socket table grows with the host's memory, and the agent reads it for a loopback
+UDP report: a GPU host's figures are not the development machine's). It writes the scrape, the log
 and the summary to ``$OUT`` (or ``--out``) when set. It exits 1, saying why, where NVML cannot be loaded or
 initialized or reports no GPU: nothing was checked there.
 """
@@ -107,28 +111,76 @@ def torch_cuda() -> bool:
     return subprocess.run(["python3", "-c", probe], capture_output=True).returncode == 0
 
 
-def run(seconds: float, out: Path | None, site: Path = SITE, workload: float = 0) -> int:
+def start_jobs(site: Path, addr: str, jobs: int) -> subprocess.Popen:
+    """``jobs`` simulated jobs reporting once a second each, at their own phases, to ``addr`` (UDP, or the hook's
+    Unix socket: ``unix:PATH``) (``bench/scrape.py``'s reporter, in a process of its own, until it is killed)."""
+    code = ("import threading; from scrape import report_forever; "
+            f"report_forever({addr!r}, {jobs}, threading.Event(), spread=True)")
+    path = os.pathsep.join(str(p) for p in (site, ROOT / "bench", ROOT / "tests"))
+    return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": path})
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def queue_length() -> str:
+    """How many datagrams the kernel queues for a Unix socket here (below 64 the agent reads each report as it
+    comes: README, Known issues)."""
+    try:
+        return Path("/proc/sys/net/unix/max_dgram_qlen").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def value_of(text: str, metric: str) -> float | None:
+    return next((value for name, _, value in parse(text) if name == metric), None)
+
+
+def jobs_cpu(agent: subprocess.Popen, port: int, jobs: int, window: float, over: str) -> str:
+    """The agent's CPU while ``jobs`` simulated jobs report and nobody scrapes it, once it serves them all."""
+    deadline = time.monotonic() + 120
+    while value_of(scrape(port), "tfprofd_hook_jobs") != jobs:
+        if time.monotonic() > deadline or agent.poll() is not None:
+            return f"{jobs} jobs: the agent did not serve them all within 120 s\n"
+        time.sleep(1)
+    reports0 = value_of(scrape(port), "tfprofd_hook_reports_total") or 0
+    cpu0, started = cpu_seconds(agent.pid), time.monotonic()
+    time.sleep(window)
+    cpu, elapsed = cpu_seconds(agent.pid) - cpu0, time.monotonic() - started
+    reports = (value_of(scrape(port), "tfprofd_hook_reports_total") or 0) - reports0
+    return (f"{jobs} jobs reporting at their own phases over {over} ({reports / elapsed:.0f} reports/s), "
+            f"{window:.0f} s unscraped: the agent's CPU {100 * cpu / elapsed:.2f}% of a core\n")
+
+
+def run(seconds: float, out: Path | None, site: Path = SITE, workload: float = 0, jobs: int = 0,
+        unix: bool = False) -> int:
     if not (site / "tfprofd").is_dir():
         print(f"{site} is missing: run `python3 bench/gpu_check.py build` where pip can reach an index",
               file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="tfprofd-gpu-check-") as tmp:  # the agent's state and log, then gone
-        return run_in(Path(tmp), seconds, out, site, workload)
+        return run_in(Path(tmp), seconds, out, site, workload, jobs, unix)
 
 
-def run_in(tmp: Path, seconds: float, out: Path | None, site: Path, workload: float) -> int:
-    port = free_port()
+def run_in(tmp: Path, seconds: float, out: Path | None, site: Path, workload: float, jobs: int, unix: bool) -> int:
+    port, hook = free_port(), f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}"
     args = [sys.executable, "-S", "-m", "tfprofd.daemon", "run", "--listen", f"127.0.0.1:{port}",
-            "--api.listen", f"127.0.0.1:{free_port()}", "--hook.listen", f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}",
+            "--api.listen", f"127.0.0.1:{free_port()}", "--hook.listen", hook,
             "--hook.socket", str(tmp / "hook.sock"), "--state-dir", str(tmp / "state"), "--interval", "1s"]
     env = {**os.environ, "PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1"}
     env.pop("TFPROFD_CONFIG", None)
     log_path = tmp / "agent.log"
     with open(log_path, "wb") as log:
         agent = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+        many = None
         try:
             if not serving(agent, port, log_path):
                 return 1
+            many = start_jobs(site, f"unix:{tmp / 'hook.sock'}" if unix else hook, jobs) if jobs else None
+            over = f"the Unix socket (net.unix.max_dgram_qlen {queue_length()})" if unix else "UDP"
+            measured = jobs_cpu(agent, port, jobs, min(seconds, 20), over) if many is not None else ""
             job = None
             if workload and torch_cuda():
                 job = subprocess.Popen(
@@ -136,7 +188,7 @@ def run_in(tmp: Path, seconds: float, out: Path | None, site: Path, workload: fl
                      "--site", str(site), "--seconds", str(workload)], stdout=subprocess.PIPE, text=True)
             elif workload:
                 print("no PyTorch with CUDA on this machine: the workload part is skipped", file=sys.stderr)
-            started = time.monotonic()
+            started, cpu0 = time.monotonic(), cpu_seconds(agent.pid)
             durations: dict[str, list[float]] = {}
             scrapes: list[tuple[float, str]] = []
             while ((time.monotonic() - started < seconds or (job is not None and job.poll() is None))
@@ -148,8 +200,14 @@ def run_in(tmp: Path, seconds: float, out: Path | None, site: Path, workload: fl
                         durations.setdefault(labels["collector"], []).append(value)
                 time.sleep(1)
             text = scrape(port)
+            if many is not None and time.monotonic() - started >= 1:  # not where NVML was missing
+                measured += (f"the same, scraped every second by this check for {time.monotonic() - started:.0f} s: "
+                             f"{100 * (cpu_seconds(agent.pid) - cpu0) / (time.monotonic() - started):.2f}%\n")
             phases = [json.loads(line) for line in job.communicate()[0].splitlines()] if job is not None else []
         finally:
+            if many is not None:
+                many.kill()
+                many.wait()
             agent.terminate()
             agent.wait(10)
     lint = "promtool not found"
@@ -160,6 +218,7 @@ def run_in(tmp: Path, seconds: float, out: Path | None, site: Path, workload: fl
     summary = summarize(text, durations, log_path.read_text(), lint, seconds)
     if phases:
         summary += summarize_workload(scrapes, phases)
+    summary += measured
     print(summary)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -237,8 +296,12 @@ def main() -> int:
     parser.add_argument("--site", type=Path, default=SITE, help="where `build` put the agent (run only)")
     parser.add_argument("--workload", type=float, default=20, metavar="SECONDS",
                         help="run a PyTorch job on GPU 0 this long per phase (0: none)")
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="simulated jobs reporting over UDP during the run; prints the agent's CPU")
+    parser.add_argument("--unix", action="store_true", help="the simulated jobs report over the hook's Unix socket")
     options = parser.parse_args()
-    return build() if options.step == "build" else run(options.seconds, options.out, options.site, options.workload)
+    return build() if options.step == "build" else run(options.seconds, options.out, options.site, options.workload,
+                                                        options.jobs, options.unix)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import prometheus_client
 import psutil
+import pytest
 import pynvml
 import yaml
 
@@ -32,11 +33,11 @@ def _site(tmp_path: Path) -> Path:
     return site
 
 
-def _gpu_check(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _gpu_check(tmp_path: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "OUT", "FAKE_NVML_STATE")}
     return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "run", "--seconds", "2",
-                           "--site", str(_site(tmp_path))], env={**environment, **env}, capture_output=True,
-                          text=True, timeout=120)
+                           "--site", str(_site(tmp_path)), *extra], env={**environment, **env}, capture_output=True,
+                          text=True, timeout=240)
 
 
 def test_without_nvml_gpu_check_fails_and_says_why(tmp_path):
@@ -58,3 +59,13 @@ def test_with_a_gpu_gpu_check_passes_and_names_it(tmp_path, fakenvml):
     result = _gpu_check(tmp_path, state.env())
     assert result.returncode == 0, result
     assert "GPU 0: NVIDIA H100 80GB HBM3" in result.stdout and "FAILED" not in result.stderr, result
+
+
+@pytest.mark.parametrize("over", ["UDP", "the Unix socket"])
+def test_with_jobs_gpu_check_says_what_they_cost_the_agent(tmp_path, fakenvml, over):
+    state = GpuState(tmp_path / "nvml.json", [gpu(0)])
+    result = _gpu_check(tmp_path, state.env(), "--workload", "0", "--jobs", "3",
+                        *(["--unix"] if over != "UDP" else []))
+    assert result.returncode == 0, result
+    assert f"3 jobs reporting at their own phases over {over}" in result.stdout, result.stdout
+    assert "unscraped: the agent's CPU" in result.stdout and "scraped every second by this check" in result.stdout
