@@ -12,8 +12,8 @@ from pathlib import Path
 
 import prometheus_client
 import psutil
-import pytest
 import pynvml
+import pytest
 import yaml
 
 from helpers import GpuState, gpu
