@@ -329,7 +329,9 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
         taken.finished_at = service.clock.time()
     record.started_at, record.host = taken.started_at, taken.host
     traced = taken.status in ("done", "analyzing")
-    if traced:
+    if traced:  # a reader of the record learns why a traced capture still says running
+        record.detail = (f"traced; kept and analysed once rule {record.rule} fires, deleted if it stops pending "
+                         "first")
         outcome = service.pending.wait(entry)
         if outcome != FIRED:
             discard(service, record, outcome)

@@ -213,6 +213,10 @@ def test_a_capture_taken_on_pending_is_discarded_and_counted_when_the_rule_clear
     wait_for(lambda: handler.count(method) >= 1, 30, message="the capture to run")
     if not handler.continuous:
         wait_for(lambda: list(Path(record.directory).rglob("*.xplane.pb")), 30, message="the trace")
+        # traced, the record still says running (the rule decides), and why
+        wait_for(lambda: "once rule throughput_drop fires" in (captures.list()[0].detail or ""), 30,
+                 message="the record to say it waits for the rule")
+        assert captures.list()[0].status == "running"
     on_transition(transition(CLEARED), captures, True, 1.0, None)
     record = ended(captures, record.id)
     assert (record.status, record.reason, record.files) == ("discarded", "cleared", []), record
