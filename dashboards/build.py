@@ -246,8 +246,12 @@ def build() -> dashboard.Dashboard:
                                   "rejected {{reason}}", "B"),
                             query(f"sum (rate(tfprofd_hook_reports_dropped_total{{{HOST}}}[{rate}]))",
                                   "dropped by the kernel", "C"),
-                            description="Training-hook datagrams accepted, rejected (by reason) and dropped by the "
-                                        "kernel on a full UDP socket (see the agent's log) per second."))
+                            query(f"sum (rate(tfprofd_hook_reports_unsent_total{{{HOST}}}[{rate}]))",
+                                  "refused to the hooks", "D"),
+                            description="Training-hook datagrams accepted, rejected (by reason), dropped by the "
+                                        "kernel on a full UDP socket (see the agent's log), and refused to the "
+                                        "hooks (the Unix socket full, or no agent), as their later reports told, "
+                                        "per second."))
     return d.build()
 
 

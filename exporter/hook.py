@@ -200,6 +200,7 @@ class Reporter:
         # Optional exact (steps, samples, skipped) read on the background thread (set by the Keras callback).
         self.exact_counts: Callable[[], tuple[int, int, int]] | None = None
         self._seq = 0
+        self._unsent = 0  # reports the socket refused (the agent's queue full, or no agent): the next ones say
         self._reported_samples = self._reported_skipped = 0
         self._sock, self._dest = _open_target(self.target)
         self._stop = threading.Event()
@@ -428,7 +429,7 @@ class Reporter:
                 "steps": steps, "samples": samples, "skipped_steps": skipped, "batch_size": self.batch_size,
                 "step_seconds": {"count": self.steps, "sum": self.step_time_sum, "buckets": cumulative},
                 "first_step_seconds": self.first_step_seconds, "profiler": self.profiler_address,
-                **({"outlier": True} if outlier else {}),
+                **({"outlier": True} if outlier else {}), **({"unsent": self._unsent} if self._unsent else {}),
             }
 
     def flush(self, fold: bool = True, outlier: bool = False) -> bool:
@@ -441,7 +442,10 @@ class Reporter:
         try:
             payload = json.dumps(self.report(fold, outlier), separators=(",", ":")).encode()
             self._sock.sendto(payload, self._dest)
-        except (OSError, ValueError):
+        except OSError:  # the agent's socket full or absent: counted, and the next report tells it
+            self._unsent += 1
+            return False
+        except ValueError:
             return False
         return True
 

@@ -108,6 +108,7 @@ class Report(NamedTuple):
     first_step_seconds: float | None
     profiler: str | None
     outlier: bool = False  # it ends with a step far longer than the ones before, or follows such a report: sample now
+    unsent: int = 0  # reports of this process its socket refused to send (the agent's queue full, or no agent)
 
 
 class Sender(NamedTuple):
@@ -243,7 +244,7 @@ def parse_report(payload: bytes, max_bytes: int) -> Report:
         batch_size=_int(data, "batch_size", optional=True), step_count=step_count,
         step_sum=_float(step, "sum"), step_buckets=tuple(buckets),
         first_step_seconds=_float(data, "first_step_seconds", optional=True), profiler=profiler,
-        outlier=data.get("outlier") is True,
+        outlier=data.get("outlier") is True, unsent=_int(data, "unsent", optional=True) or 0,
     )
 
 
@@ -863,7 +864,7 @@ class JobState:
 
     processes: dict[ProcessKey, ProcessState] = field(default_factory=dict)
     folded: Counts = _ZERO
-    folded_by: OrderedDict[ProcessKey, Counts] = field(default_factory=OrderedDict)
+    folded_by: OrderedDict[ProcessKey, tuple[Counts, int]] = field(default_factory=OrderedDict)  # and its unsent
     last_seen: float = 0.0
     dirty: bool = True  # a report or a retired process changed it since it was last frozen
     frozen: _Frozen | None = None
@@ -930,6 +931,7 @@ class _Sampled:
     rejected: tuple[tuple[str, int], ...] = ()
     accepted: int = 0
     dropped: int = 0
+    unsent: int = 0
     signals: Signals = field(default_factory=dict)
     facts: TrainingProcesses = TrainingProcesses(())
 
@@ -971,6 +973,7 @@ class TrainingCollector(Collector):
         self.accepted = 0
         self.rejected = dict.fromkeys(REJECT_REASONS, 0)
         self.dropped = 0  # reports the kernel dropped on the UDP socket (its buffer full), as later ones told
+        self.unsent = 0  # reports the hooks' sockets refused to send, as their later reports told
         self._drops_seen = 0  # the kernel's count (a u32) in the latest report that carried one
         self._drops_logged = (0, -math.inf)  # dropped and monotonic time at the last warning
         self._udp_buffer = 0  # bytes of the UDP socket's receive buffer, as the kernel granted them
@@ -1249,12 +1252,13 @@ class TrainingCollector(Collector):
                 raise Rejected("too_many_jobs", f"{series} already has {MAX_PROCESSES_PER_JOB} live processes")
             pid_verified = sender.local or check_pid(report, sender)
             profiler = check_profiler(report, sender, self.env)
-            folded = job.folded_by.pop(key, None)
+            folded, unsent = job.folded_by.pop(key, (None, 0))
             if folded is not None:  # a process we took for gone reports again: take its counts back out
                 job.folded = job.folded.plus(folded, -1)
             if series not in self.jobs:
                 self.jobs[series] = job
             job.processes[key] = ProcessState(key, report, now, profiler, pid_verified)
+            self.unsent += max(report.unsent - unsent, 0)  # what it told already counted once
             self._log_new(report, sender, profiler)
             self.wake()  # the job registry should know it before the next interval
         else:
@@ -1262,7 +1266,7 @@ class TrainingCollector(Collector):
             if report.seq <= previous.seq:
                 raise Rejected("stale", f"seq {report.seq} after {previous.seq}")
             if (report.steps < previous.steps or report.samples < previous.samples
-                    or report.skipped_steps < previous.skipped_steps
+                    or report.skipped_steps < previous.skipped_steps or report.unsent < previous.unsent
                     or report.step_count < previous.step_count or report.step_sum < previous.step_sum
                     or any(map(operator.lt, report.step_buckets, previous.step_buckets))):  # both as many
                 raise Rejected("counter_decreased", f"counters went backwards within pid {report.pid}")
@@ -1276,6 +1280,7 @@ class TrainingCollector(Collector):
                 process.recent_step_seconds = (report.step_sum - previous.step_sum) / steps
             if report.steps > previous.steps:
                 process.recent_batch = (report.samples - previous.samples) / (report.steps - previous.steps)
+            self.unsent += report.unsent - previous.unsent
             process.latest = report
             process.last_seen = now
             if report.outlier and steps > 0 and now - process.woken_at >= OUTLIER_WAKE_EVERY:
@@ -1329,7 +1334,7 @@ class TrainingCollector(Collector):
                 counts = _counts(process.latest)
                 job.folded = job.folded.plus(counts)
                 job.dirty = True
-                job.folded_by[key] = counts
+                job.folded_by[key] = counts, process.latest.unsent
                 while len(job.folded_by) > FOLDED_KEPT:
                     job.folded_by.popitem(last=False)
                 log.info("training job %s worker %s: pid %d stopped reporting", *series, process.latest.pid)
@@ -1375,8 +1380,8 @@ class TrainingCollector(Collector):
             views.extend(frozen.views)
             for name, value in frozen.signals:
                 signals[name].append((frozen.labels, value))
-        return _Sampled(tuple(rows), tuple(sorted(self.rejected.items())), self.accepted, self.dropped, signals,
-                        TrainingProcesses(tuple(views)))
+        return _Sampled(tuple(rows), tuple(sorted(self.rejected.items())), self.accepted, self.dropped, self.unsent,
+                        signals, TrainingProcesses(tuple(views)))
 
     def _freeze_job(self, series: tuple[str, str], state: JobState, now: float, wall: float) -> _Frozen:
         """One job's part of a sample, in one pass over its processes: 1,000 jobs that report every second
@@ -1468,6 +1473,8 @@ class TrainingCollector(Collector):
                 counter("hook_reports_dropped", "Total training-hook reports the kernel dropped on the agent's UDP "
                         "socket, its receive buffer full (counted when a later report arrives).", [],
                         [((), sampled.dropped)]),
+                counter("hook_reports_unsent", "Total training-hook reports the jobs' hooks could not send (the "
+                        "agent's socket full, or absent), as their later reports told.", [], [((), sampled.unsent)]),
                 gauge("hook_jobs", "Number of (training_job, worker) series the agent tracks (at most "
                       "hook.max_jobs).", [], [((), len(sampled.rows))])]
         return Sectioned(head, _job_families, [(r.key, r) for r in sampled.rows], _job_lines)

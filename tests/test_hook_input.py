@@ -58,6 +58,8 @@ def test_a_valid_report_parses():
     (encode(valid(job="resnet\n")), "invalid_field"),  # a trailing newline is not a name character
     (encode(valid(phase="sleeping")), "invalid_field"),
     (encode(valid(pid=True)), "invalid_field"),
+    (encode(valid(unsent=-1)), "invalid_field"),
+    (encode(valid(unsent="3")), "invalid_field"),
     (encode(valid(step_seconds={"count": 1, "sum": 0.1, "buckets": [1, 0] + [0] * 13})), "invalid_field"),
     (encode(valid(profiler="not an address")), "invalid_field"),
     (b"{" + b" " * 9000 + b"}", "too_large"),
@@ -382,3 +384,29 @@ def test_every_job_reporting_at_once_on_a_default_sized_buffer_is_received(monke
         assert collector.rejected["malformed_json"] == 1
     finally:
         collector.close()
+
+
+def test_reports_a_full_unix_socket_refused_are_counted_from_the_hooks_next_report(agents):
+    """The kernel refuses a Unix datagram to a socket whose queue is full (an agent paused, many processes
+    starting at once): the hook counts what it could not send and its next report tells the agent."""
+    agent = agents()
+    reporter = Reporter(job="refused", worker="0", profiler=False, addr=f"unix:{agent.hook_socket}")
+    reporter.record(1, 32, 0.01)
+    queue = int(Path("/proc/sys/net/unix/max_dgram_qlen").read_text())
+    agent.signal(signal.SIGSTOP)
+    try:
+        sent = [reporter.flush() for _ in range(queue + 20)]
+    finally:
+        agent.signal(signal.SIGCONT)
+    refused = sent.count(False)
+    assert refused >= 19, sent
+    wait_for(lambda: metric_value(agent.scrape(), "tfprofd_hook_reports_total") == sent.count(True), 10,
+             message="the queued reports accepted")
+    assert metric_value(agent.scrape(), "tfprofd_hook_reports_unsent_total") == 0
+    assert reporter.flush()
+    wait_for(lambda: metric_value(agent.scrape(), "tfprofd_hook_reports_unsent_total") == refused, 10,
+             message="the refused reports counted")
+    assert reporter.flush()  # the same count again adds nothing
+    wait_for(lambda: metric_value(agent.scrape(), "tfprofd_hook_reports_total") == sent.count(True) + 2, 10,
+             message="the last report accepted")
+    assert metric_value(agent.scrape(), "tfprofd_hook_reports_unsent_total") == refused
