@@ -330,8 +330,8 @@ def run_on_pending(service: CaptureService, record: CaptureRecord, request: dict
     record.started_at, record.host = taken.started_at, taken.host
     traced = taken.status in ("done", "analyzing")
     if traced:  # a reader of the record learns why a traced capture still says running
-        record.detail = (f"traced; kept and analysed once rule {record.rule} fires, deleted if it stops pending "
-                         "first")
+        record.detail = (f"traced; kept{' and analysed' if s.analyze else ''} once rule {record.rule} fires; "
+                         "deleted if it stops pending, does not fire in time, or the agent stops first")
         outcome = service.pending.wait(entry)
         if outcome != FIRED:
             discard(service, record, outcome)

@@ -200,7 +200,7 @@ class Reporter:
         # Optional exact (steps, samples, skipped) read on the background thread (set by the Keras callback).
         self.exact_counts: Callable[[], tuple[int, int, int]] | None = None
         self._seq = 0
-        self._unsent = 0  # reports the socket refused (the agent's queue full, or no agent): the next ones say
+        self._unsent = 0  # reports the socket refused since the last it sent (the agent's queue full, or no agent)
         self._reported_samples = self._reported_skipped = 0
         self._sock, self._dest = _open_target(self.target)
         self._stop = threading.Event()
@@ -442,11 +442,12 @@ class Reporter:
         try:
             payload = json.dumps(self.report(fold, outlier), separators=(",", ":")).encode()
             self._sock.sendto(payload, self._dest)
-        except OSError:  # the agent's socket full or absent: counted, and the next report tells it
+        except OSError:  # the agent's socket full or absent: counted, and the next report sent tells it
             self._unsent += 1
             return False
         except ValueError:
             return False
+        self._unsent = 0  # told
         return True
 
 

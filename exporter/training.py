@@ -57,6 +57,7 @@ SECURITY_REASONS = frozenset({"pid_mismatch", "untrusted_profiler", "unverified_
 _NAME = re.compile(r"[A-Za-z0-9_.:/@+-]{1,128}")
 _MAX_COUNT = 2**53
 MAX_BRACKETS = 16  # the schema nests 3 deep; more brackets than this is not a report
+MAX_UNSENT = 10**7  # refused reports one report may tell of (115 days of a report a second): more is not a hook's
 MAX_PROCESSES_PER_JOB = 64
 RATE_STALE_SECONDS = 5.0  # a process silent this long no longer counts as training or has a rate
 OUTLIER_WAKE_EVERY = 0.4  # s: a process's flagged reports ask for a sample at most this often (the hook: 2 a second)
@@ -108,7 +109,7 @@ class Report(NamedTuple):
     first_step_seconds: float | None
     profiler: str | None
     outlier: bool = False  # it ends with a step far longer than the ones before, or follows such a report: sample now
-    unsent: int = 0  # reports of this process its socket refused to send (the agent's queue full, or no agent)
+    unsent: int = 0  # reports of this process its socket refused since its last one sent (queue full, or no agent)
 
 
 class Sender(NamedTuple):
@@ -244,8 +245,23 @@ def parse_report(payload: bytes, max_bytes: int) -> Report:
         batch_size=_int(data, "batch_size", optional=True), step_count=step_count,
         step_sum=_float(step, "sum"), step_buckets=tuple(buckets),
         first_step_seconds=_float(data, "first_step_seconds", optional=True), profiler=profiler,
-        outlier=data.get("outlier") is True, unsent=_int(data, "unsent", optional=True) or 0,
+        outlier=data.get("outlier") is True, unsent=_unsent(data),
     )
+
+
+def _unsent(data: dict[str, Any]) -> int:
+    """A report's ``unsent`` (0 where it has none); Rejected "invalid_field" past MAX_UNSENT."""
+    unsent = _int(data, "unsent", optional=True) or 0
+    if unsent > MAX_UNSENT:
+        raise Rejected("invalid_field", f"unsent must be at most {MAX_UNSENT}")
+    return unsent
+
+
+def _check_unsent(report: Report, last_seq: int) -> None:
+    """Each report the hook could not send took a seq of its own: one sent after the report ``last_seq`` (-1:
+    none seen) tells of at most as many as it skipped (Rejected "invalid_field" otherwise)."""
+    if report.unsent > max(report.seq - max(last_seq, 0) - 1, 0):
+        raise Rejected("invalid_field", f"unsent {report.unsent} is more than the reports before seq {report.seq}")
 
 
 # ---- trust: whose pid and profiler server a report may name ----
@@ -864,7 +880,7 @@ class JobState:
 
     processes: dict[ProcessKey, ProcessState] = field(default_factory=dict)
     folded: Counts = _ZERO
-    folded_by: OrderedDict[ProcessKey, tuple[Counts, int]] = field(default_factory=OrderedDict)  # and its unsent
+    folded_by: OrderedDict[ProcessKey, tuple[Counts, int]] = field(default_factory=OrderedDict)  # and its last seq
     last_seen: float = 0.0
     dirty: bool = True  # a report or a retired process changed it since it was last frozen
     frozen: _Frozen | None = None
@@ -973,7 +989,7 @@ class TrainingCollector(Collector):
         self.accepted = 0
         self.rejected = dict.fromkeys(REJECT_REASONS, 0)
         self.dropped = 0  # reports the kernel dropped on the UDP socket (its buffer full), as later ones told
-        self.unsent = 0  # reports the hooks' sockets refused to send, as their later reports told
+        self.unsent = 0  # reports the hooks' sockets refused to send, as the next reports they sent told
         self._drops_seen = 0  # the kernel's count (a u32) in the latest report that carried one
         self._drops_logged = (0, -math.inf)  # dropped and monotonic time at the last warning
         self._udp_buffer = 0  # bytes of the UDP socket's receive buffer, as the kernel granted them
@@ -1248,17 +1264,21 @@ class TrainingCollector(Collector):
         key: ProcessKey = (sender.origin, report.pid, report.process_start)
         process = job.processes.get(key)
         if process is None:
+            folded, last_seq = job.folded_by.get(key, (None, -1))
+            if report.seq <= last_seq:  # a datagram older than the last one of a process taken for gone
+                raise Rejected("stale", f"seq {report.seq} after {last_seq}")
+            _check_unsent(report, last_seq)
             if len(job.processes) >= MAX_PROCESSES_PER_JOB:
                 raise Rejected("too_many_jobs", f"{series} already has {MAX_PROCESSES_PER_JOB} live processes")
             pid_verified = sender.local or check_pid(report, sender)
             profiler = check_profiler(report, sender, self.env)
-            folded, unsent = job.folded_by.pop(key, (None, 0))
             if folded is not None:  # a process we took for gone reports again: take its counts back out
                 job.folded = job.folded.plus(folded, -1)
+                del job.folded_by[key]
             if series not in self.jobs:
                 self.jobs[series] = job
             job.processes[key] = ProcessState(key, report, now, profiler, pid_verified)
-            self.unsent += max(report.unsent - unsent, 0)  # what it told already counted once
+            self.unsent += report.unsent
             self._log_new(report, sender, profiler)
             self.wake()  # the job registry should know it before the next interval
         else:
@@ -1266,10 +1286,11 @@ class TrainingCollector(Collector):
             if report.seq <= previous.seq:
                 raise Rejected("stale", f"seq {report.seq} after {previous.seq}")
             if (report.steps < previous.steps or report.samples < previous.samples
-                    or report.skipped_steps < previous.skipped_steps or report.unsent < previous.unsent
+                    or report.skipped_steps < previous.skipped_steps
                     or report.step_count < previous.step_count or report.step_sum < previous.step_sum
                     or any(map(operator.lt, report.step_buckets, previous.step_buckets))):  # both as many
                 raise Rejected("counter_decreased", f"counters went backwards within pid {report.pid}")
+            _check_unsent(report, previous.seq)
             if report.profiler != previous.profiler:
                 process.profiler = check_profiler(report, sender, self.env)
             elapsed = report.time - previous.time
@@ -1280,7 +1301,7 @@ class TrainingCollector(Collector):
                 process.recent_step_seconds = (report.step_sum - previous.step_sum) / steps
             if report.steps > previous.steps:
                 process.recent_batch = (report.samples - previous.samples) / (report.steps - previous.steps)
-            self.unsent += report.unsent - previous.unsent
+            self.unsent += report.unsent
             process.latest = report
             process.last_seen = now
             if report.outlier and steps > 0 and now - process.woken_at >= OUTLIER_WAKE_EVERY:
@@ -1334,7 +1355,7 @@ class TrainingCollector(Collector):
                 counts = _counts(process.latest)
                 job.folded = job.folded.plus(counts)
                 job.dirty = True
-                job.folded_by[key] = counts, process.latest.unsent
+                job.folded_by[key] = counts, process.latest.seq
                 while len(job.folded_by) > FOLDED_KEPT:
                     job.folded_by.popitem(last=False)
                 log.info("training job %s worker %s: pid %d stopped reporting", *series, process.latest.pid)
@@ -1474,7 +1495,8 @@ class TrainingCollector(Collector):
                         "socket, its receive buffer full (counted when a later report arrives).", [],
                         [((), sampled.dropped)]),
                 counter("hook_reports_unsent", "Total training-hook reports the jobs' hooks could not send (the "
-                        "agent's socket full, or absent), as their later reports told.", [], [((), sampled.unsent)]),
+                        "agent's Unix socket full, or absent), as the next reports they sent told.", [],
+                        [((), sampled.unsent)]),
                 gauge("hook_jobs", "Number of (training_job, worker) series the agent tracks (at most "
                       "hook.max_jobs).", [], [((), len(sampled.rows))])]
         return Sectioned(head, _job_families, [(r.key, r) for r in sampled.rows], _job_lines)

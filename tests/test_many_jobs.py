@@ -820,3 +820,49 @@ def test_reports_on_both_sockets_keep_the_listener_alive(tmp_path):
         assert collector.problem() is None
     finally:
         collector.close()
+
+
+def test_a_late_report_of_a_process_taken_for_gone_is_stale_and_unsent_reports_count_once(tmp_path):
+    """A process retired after its pid went away (its reports folded into the job's counts) whose older
+    datagram comes late was taken for the process reporting again, with fewer counts than it had: the job's
+    counters went back. Reports a hook could not send are told by the next one it sent, and each counts once,
+    however the process comes and goes."""
+    from tfprofd.exporter.base import HostPaths
+
+    from helpers import FakeClock
+
+    clock, pid = FakeClock(), 4343
+    (tmp_path / str(pid)).mkdir()
+    collector = TrainingCollector(HookSettings(socket="", listen=None),
+                                  Environment(paths=HostPaths(procfs=tmp_path), clock=clock))
+    reporter = Reporter(job="late", worker="0", profiler=False, addr="127.0.0.1:9")
+    sender = Sender(local=True, pid=pid, uid=os.geteuid())
+
+    def report(steps: int, **change: object) -> dict:
+        reporter.record(steps, steps * 64, steps * 0.01)
+        return {**reporter.report(), "pid": pid, **change}
+
+    def receive(data: dict) -> bool:
+        return collector.receive(json.dumps(data).encode(), sender)
+
+    try:
+        early = report(10)
+        assert receive(report(5, unsent=1))  # seq 2: one report (seq 1, early) was refused to the hook
+        assert collector.unsent == 1
+        (tmp_path / str(pid)).rmdir()
+        for _ in range(3):  # found gone, then retired a sample later
+            collector.sample()
+            clock.mono += 1.0
+        [job] = collector.jobs.values()
+        assert not job.processes and job.folded.steps == 15
+        assert not receive(early) and collector.rejected["stale"] == 1  # the refused report, come late after all
+        assert job.folded.steps == 15 and not job.processes
+        (tmp_path / str(pid)).mkdir()
+        report(1)  # seq 4 refused
+        assert receive(report(1, unsent=1))  # the process reports again: seq 5 tells of seq 4
+        assert collector.unsent == 2 and collector.jobs[("late", "0")].totals().steps == 17
+        assert not receive(report(1, unsent=1)) and collector.rejected["invalid_field"] == 1  # none was refused
+        assert not receive({**report(1), "unsent": 10**7 + 1}) and collector.rejected["invalid_field"] == 2
+        assert collector.unsent == 2
+    finally:
+        collector.close()

@@ -151,11 +151,13 @@ def test_a_capture_taken_on_pending_is_kept_when_the_rule_fires(tmp_path, profil
     [record] = captures.list()
     if handler.continuous:  # armed at pending: snapshots before the rule fires
         wait_for(lambda: handler.count("GetSnapshot") >= 2, 30, message="two snapshots")
-    else:  # older TensorFlow: one capture at once, at pending
+    else:  # older TensorFlow: one capture at once, at pending, traced before the rule fires
         wait_for(lambda: handler.count("Profile") == 1, 30, message="the capture at pending")
+        wait_for(lambda: "once rule" in (captures.list()[0].detail or ""), 30, message="the capture traced")
     on_transition(transition(FIRING), captures, True, 1.0, None)
     record = ended(captures, record.id)
     assert record.status == "done", record
+    assert "once rule" not in (record.detail or ""), record  # kept: no longer waiting for the rule
     assert len(captures.list()) == 1  # the firing started no second capture
     assert record.context["mode"] == ("snapshots" if handler.continuous else "capture")
     files = [Path(record.directory) / f for f in record.files]
