@@ -342,3 +342,28 @@ def test_a_jobs_child_processes_are_its_own_in_the_light_readings(tmp_path):
     context = measure(at(0.0, 0, 0.0, 0.0), at(10.0, 1900, 4.0, 15.0), clock_ticks=100, job_visible=True)
     assert context.job_cores == pytest.approx(1.9) and context.other_cores == pytest.approx(0.0, abs=0.01)
     assert context.contention is None
+
+
+def test_the_light_readings_of_several_jobs_read_the_host_and_the_agent_once(tmp_path):
+    """Each local job's ring read the host's CPU and pressure and the agent's processes again, every 5 s, and
+    kept a copy of them: with 20 jobs, 0.5 MiB of the agent's 35 MiB (issue 24). One reading serves them all."""
+    from tfprofd.daemon.hostcontext import read_light_edges
+
+    _host_at(tmp_path, 100, 300, 1.0, 0.1)
+    for pid, name in ((400, "other_job"), (AGENT, "tfprofd")):
+        (tmp_path / str(pid) / "task" / str(pid)).mkdir(parents=True)
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({name}) S 1 {pid} {pid} 0 -1 0 0 0 0 0 50 0 0 0 20 0 1 0 "
+                                                  "1 0 0\n")
+        (tmp_path / str(pid) / "task" / str(pid) / "schedstat").write_text("500000000 0 1\n")
+    reads: list[str] = []
+
+    class Counted(HostPaths):
+        def read_proc(self, relative: str) -> str | None:
+            reads.append(relative)
+            return super().read_proc(relative)
+
+    edges = read_light_edges(Counted(tmp_path), {"a": [JOB], "b": [400], "c": [JOB]}, AGENT, now=5.0)
+    assert {name: sorted(edge.job) for name, edge in edges.items()} == {"a": [JOB], "b": [400], "c": [JOB]}
+    assert all(edge.tfprofd == {AGENT} and AGENT in edge.processes for edge in edges.values())
+    assert reads.count("stat") == 1 and reads.count(f"{AGENT}/stat") == 1
+    assert reads.count(f"{JOB}/stat") == 2 and reads.count("400/stat") == 1  # each job's own, as before
