@@ -356,7 +356,9 @@ def read_light_edges(paths: HostPaths, jobs: Mapping[str, Iterable[int]], agent_
                      now: float) -> dict[str, Edge]:
     """``read_light_edge`` for each job, from one reading of what their edges share (the host's CPU and
     pressure, the agent's processes), and sharing it: read again for each, 16 local jobs' rings held 16 copies
-    (0.5 MiB with 20 jobs, issue 24)."""
+    (0.5 MiB with 20 jobs, issue 24). No job: nothing is read."""
+    if not jobs:
+        return {}
     cpu, cpus, psi = _read_host(paths)
     tfprofd_pids = _family(paths, [agent_pid]) if agent_pid is not None else set()
     tfprofd_processes = _read_processes(paths, {str(p) for p in tfprofd_pids})
@@ -403,6 +405,14 @@ class Tasks:
 
     def __len__(self) -> int:
         return len(self.tids)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Tasks) and (self.tids, self.run, self.wait) == (other.tids, other.run, other.wait)
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, and mutable arrays
+
+    def __repr__(self) -> str:
+        return f"Tasks({len(self)} threads)"
 
     def since(self, before: Tasks) -> tuple[int, int]:
         """ns run and waited since ``before`` by these threads (a thread new since counts in full)."""

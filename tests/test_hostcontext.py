@@ -365,5 +365,10 @@ def test_the_light_readings_of_several_jobs_read_the_host_and_the_agent_once(tmp
     edges = read_light_edges(Counted(tmp_path), {"a": [JOB], "b": [400], "c": [JOB]}, AGENT, now=5.0)
     assert {name: sorted(edge.job) for name, edge in edges.items()} == {"a": [JOB], "b": [400], "c": [JOB]}
     assert all(edge.tfprofd == {AGENT} and AGENT in edge.processes for edge in edges.values())
+    assert set(edges["a"].processes) == set(edges["c"].processes) == {JOB, AGENT}  # each its own, and the agent's
+    assert set(edges["b"].processes) == {400, AGENT}
     assert reads.count("stat") == 1 and reads.count(f"{AGENT}/stat") == 1
+    assert all(reads.count(f"pressure/{resource}") <= 1 for resource in ("cpu", "io", "memory"))
     assert reads.count(f"{JOB}/stat") == 2 and reads.count("400/stat") == 1  # each job's own, as before
+    reads.clear()
+    assert read_light_edges(Counted(tmp_path), {}, AGENT, now=10.0) == {} and reads == []  # no local job: nothing
