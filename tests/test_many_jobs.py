@@ -37,7 +37,7 @@ from tfprofd.exporter.training import (
     unix_pause,
 )
 
-from helpers import wait_for
+from helpers import FakeClock, wait_for
 
 HOSTILE = ['a"b', "back\\slash", "new\nline", 'all "\\\n" three', "ünïcödé ✓ 日本", "", "\\n", '"', "\\",
            "x" * 1000, ('"\\\n' * 334)[:1000], "{}=,# EOF", "\t tab and spaces "]
@@ -744,8 +744,6 @@ def _child_status(pid: int, timeout: float) -> int | None:
 def test_a_job_that_reports_again_hands_the_rules_the_same_labels_dict():
     """1,000 jobs report every second, so each is frozen again at every sample: its labels dict stays the same
     object, which the rules engine keeps a sorted key for instead of sorting it again (issue 24)."""
-    from helpers import FakeClock
-
     clock = FakeClock()
     collector = TrainingCollector(HookSettings(socket="", listen=None), Environment(clock=clock))
     reporter = Reporter(job="again", worker="0", profiler=False, addr="127.0.0.1:9")
@@ -767,6 +765,18 @@ def test_a_job_that_reports_again_hands_the_rules_the_same_labels_dict():
         collector.close()
 
 
+def _local_process(procfs: Path, job: str, pid: int) -> tuple[FakeClock, TrainingCollector, Reporter, Sender]:
+    """A collector on a fake clock and procfs where ``pid`` lives, and a hook of ``job`` in that process."""
+    from tfprofd.exporter.base import HostPaths
+
+    clock = FakeClock()
+    (procfs / str(pid)).mkdir()
+    collector = TrainingCollector(HookSettings(socket="", listen=None),
+                                  Environment(paths=HostPaths(procfs=procfs), clock=clock))
+    reporter = Reporter(job=job, worker="0", profiler=False, addr="127.0.0.1:9")
+    return clock, collector, reporter, Sender(local=True, pid=pid, uid=os.geteuid())
+
+
 def test_a_process_that_exited_is_retired_a_sample_later_with_its_last_report(tmp_path, caplog):
     """A job's last report comes as it exits, and may wait in the Unix socket's queue while the socket rests
     (up to 0.25 s): a sample that found the pid gone in between retired the process at once, and the last
@@ -774,17 +784,9 @@ def test_a_process_that_exited_is_retired_a_sample_later_with_its_last_report(tm
     one, logged as reporting and retired a second time). It is now retired a sample later."""
     import logging
 
-    from tfprofd.exporter.base import HostPaths
-
-    from helpers import FakeClock
-
     caplog.set_level(logging.INFO, logger="tfprofd")
-    clock, pid = FakeClock(), 4242
-    (tmp_path / str(pid)).mkdir()
-    collector = TrainingCollector(HookSettings(socket="", listen=None),
-                                  Environment(paths=HostPaths(procfs=tmp_path), clock=clock))
-    reporter = Reporter(job="ending", worker="0", profiler=False, addr="127.0.0.1:9")
-    sender = Sender(local=True, pid=pid, uid=os.geteuid())
+    pid = 4242
+    clock, collector, reporter, sender = _local_process(tmp_path, "ending", pid)
 
     def report(steps: int) -> None:
         reporter.record(steps, steps * 64, steps * 0.01)
@@ -827,16 +829,8 @@ def test_a_late_report_of_a_process_taken_for_gone_is_stale_and_unsent_reports_c
     datagram comes late was taken for the process reporting again, with fewer counts than it had: the job's
     counters went back. Reports a hook could not send are told by the next one it sent, and each counts once,
     however the process comes and goes."""
-    from tfprofd.exporter.base import HostPaths
-
-    from helpers import FakeClock
-
-    clock, pid = FakeClock(), 4343
-    (tmp_path / str(pid)).mkdir()
-    collector = TrainingCollector(HookSettings(socket="", listen=None),
-                                  Environment(paths=HostPaths(procfs=tmp_path), clock=clock))
-    reporter = Reporter(job="late", worker="0", profiler=False, addr="127.0.0.1:9")
-    sender = Sender(local=True, pid=pid, uid=os.geteuid())
+    pid = 4343
+    clock, collector, reporter, sender = _local_process(tmp_path, "late", pid)
 
     def report(steps: int, **change: object) -> dict:
         reporter.record(steps, steps * 64, steps * 0.01)
