@@ -992,6 +992,7 @@ class TrainingCollector(Collector):
         self.unsent = 0  # reports the hooks' sockets refused to send, as the next reports they sent told
         self._drops_seen = 0  # the kernel's count (a u32) in the latest report that carried one
         self._drops_logged = (0, -math.inf)  # dropped and monotonic time at the last warning
+        self._unsent_logged = (0, -math.inf)  # unsent and monotonic time at the last warning
         self._udp_buffer = 0  # bytes of the UDP socket's receive buffer, as the kernel granted them
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -1378,6 +1379,16 @@ class TrainingCollector(Collector):
                       if self._udp_buffer < 2 * UDP_BUFFER else "the agent fell behind (stopped, or short of CPU)")
             log.warning("the kernel dropped %d hook reports on the UDP socket (%d in all): its receive buffer "
                         "(%d KiB) was full; %s", dropped - logged, dropped, self._udp_buffer // 1024, advice)
+        logged, at = self._unsent_logged
+        unsent = self._sampled.unsent
+        if unsent > logged and now - at >= DROPS_LOG_EVERY:
+            self._unsent_logged = (unsent, now)
+            queue = unix_queue()  # the agent's own network namespace's, as the listener reads it
+            advice = (f"set net.unix.max_dgram_qlen to 512 (systemd's default) in the agent's network namespace: it "
+                      f"is {queue}, so many processes reporting at once fill the queue" if queue < UNIX_REST_QUEUE
+                      else "the agent was down, stopped or short of CPU")
+            log.warning("the jobs' hooks could not send %d reports (%d in all), as their next reports said: the "
+                        "agent's Unix socket was full or absent; %s", unsent - logged, unsent, advice)
 
     def configure(self, settings: HookSettings) -> None:
         super().configure(settings)

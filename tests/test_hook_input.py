@@ -386,6 +386,17 @@ def test_every_job_reporting_at_once_on_a_default_sized_buffer_is_received(monke
         collector.close()
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (SIGSTOP takes effect a moment after it is sent)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
+        except OSError:
+            continue
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 def test_reports_a_full_unix_socket_refused_are_counted_from_the_hooks_next_report(agents):
     """The kernel refuses a Unix datagram to a socket whose queue is full (an agent paused, many processes
     starting at once): the hook counts what it could not send and its next report tells the agent."""
@@ -395,6 +406,7 @@ def test_reports_a_full_unix_socket_refused_are_counted_from_the_hooks_next_repo
     queue = int(Path("/proc/sys/net/unix/max_dgram_qlen").read_text())
     agent.signal(signal.SIGSTOP)
     try:
+        wait_for(lambda: _stopped(agent.proc.pid), 10, message="every thread of the agent stopped")
         sent = [reporter.flush() for _ in range(queue + 20)]
     finally:
         agent.signal(signal.SIGCONT)
@@ -410,3 +422,6 @@ def test_reports_a_full_unix_socket_refused_are_counted_from_the_hooks_next_repo
     wait_for(lambda: metric_value(agent.scrape(), "tfprofd_hook_reports_total") == sent.count(True) + 2, 10,
              message="the last report accepted")
     assert metric_value(agent.scrape(), "tfprofd_hook_reports_unsent_total") == refused
+    wait_for(lambda: f"could not send {refused} reports" in agent.log(), 10, message="the refusals logged")
+    advice = "set net.unix.max_dgram_qlen to 512" if queue < 64 else "the agent was down, stopped or short of CPU"
+    assert advice in agent.log()
