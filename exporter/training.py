@@ -991,8 +991,8 @@ class TrainingCollector(Collector):
         self.dropped = 0  # reports the kernel dropped on the UDP socket (its buffer full), as later ones told
         self.unsent = 0  # reports the hooks' sockets refused to send, as the next reports they sent told
         self._drops_seen = 0  # the kernel's count (a u32) in the latest report that carried one
-        self._drops_logged = (0, -math.inf)  # dropped and monotonic time at the last warning
-        self._unsent_logged = (0, -math.inf)  # unsent and monotonic time at the last warning
+        # reports lost (dropped, unsent): the count and monotonic time at the last warning of each
+        self._warned: dict[str, tuple[int, float]] = dict.fromkeys(("dropped", "unsent"), (0, -math.inf))
         self._udp_buffer = 0  # bytes of the UDP socket's receive buffer, as the kernel granted them
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -1366,29 +1366,36 @@ class TrainingCollector(Collector):
                     log.info("training job %s worker %s expired after %.0fs without reports", *series,
                              self.settings.expire_after)
             self._sampled = self._freeze(now)
-        self._log_drops(now)
+        self._log_losses(now)
         return True
 
-    def _log_drops(self, now: float) -> None:
-        """A warning when the kernel dropped reports, at most every DROPS_LOG_EVERY seconds."""
-        logged, at = self._drops_logged
-        dropped = self._sampled.dropped
-        if dropped > logged and now - at >= DROPS_LOG_EVERY:
-            self._drops_logged = (dropped, now)
+    def _log_losses(self, now: float) -> None:
+        """A warning when the kernel dropped reports, or the hooks could not send some, each at most every
+        DROPS_LOG_EVERY seconds, with what to do."""
+        dropped, unsent = self._sampled.dropped, self._sampled.unsent
+        grew = self._due_warning("dropped", dropped, now)
+        if grew:
             advice = (f"raise net.core.rmem_max to {UDP_BUFFER} or more (the agent asks for that much)"
                       if self._udp_buffer < 2 * UDP_BUFFER else "the agent fell behind (stopped, or short of CPU)")
             log.warning("the kernel dropped %d hook reports on the UDP socket (%d in all): its receive buffer "
-                        "(%d KiB) was full; %s", dropped - logged, dropped, self._udp_buffer // 1024, advice)
-        logged, at = self._unsent_logged
-        unsent = self._sampled.unsent
-        if unsent > logged and now - at >= DROPS_LOG_EVERY:
-            self._unsent_logged = (unsent, now)
+                        "(%d KiB) was full; %s", grew, dropped, self._udp_buffer // 1024, advice)
+        grew = self._due_warning("unsent", unsent, now)
+        if grew:
             queue = unix_queue()  # the agent's own network namespace's, as the listener reads it
             advice = (f"set net.unix.max_dgram_qlen to 512 (systemd's default) in the agent's network namespace: it "
                       f"is {queue}, so many processes reporting at once fill the queue" if queue < UNIX_REST_QUEUE
                       else "the agent was down, stopped or short of CPU")
             log.warning("the jobs' hooks could not send %d reports (%d in all), as their next reports said: the "
-                        "agent's Unix socket was full or absent; %s", unsent - logged, unsent, advice)
+                        "agent's Unix socket was full or absent; %s", grew, unsent, advice)
+
+    def _due_warning(self, what: str, count: int, now: float) -> int:
+        """How much ``count`` of reports lost grew since its last warning, where another is due (it is then taken);
+        else 0."""
+        logged, at = self._warned[what]
+        if count <= logged or now - at < DROPS_LOG_EVERY:
+            return 0
+        self._warned[what] = (count, now)
+        return count - logged
 
     def configure(self, settings: HookSettings) -> None:
         super().configure(settings)
