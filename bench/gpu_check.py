@@ -300,6 +300,10 @@ def main() -> int:
                         help="simulated jobs reporting over UDP during the run; prints the agent's CPU")
     parser.add_argument("--unix", action="store_true", help="the simulated jobs report over the hook's Unix socket")
     options = parser.parse_args()
+    if options.jobs < 0:
+        parser.error(f"--jobs must be 0 or more, not {options.jobs}")
+    if options.unix and not options.jobs:
+        parser.error("--unix says how the --jobs report: give --jobs N too")
     return build() if options.step == "build" else run(options.seconds, options.out, options.site, options.workload,
                                                         options.jobs, options.unix)
 

@@ -69,3 +69,10 @@ def test_with_jobs_gpu_check_says_what_they_cost_the_agent(tmp_path, fakenvml, o
     assert result.returncode == 0, result
     assert f"3 jobs reporting at their own phases over {over}" in result.stdout, result.stdout
     assert "unscraped: the agent's CPU" in result.stdout and "scraped every second by this check" in result.stdout
+
+
+@pytest.mark.parametrize(("args", "error"), [(["--jobs", "-3"], "--jobs must be 0 or more, not -3"),
+                                             (["--unix"], "give --jobs N too")])
+def test_gpu_check_refuses_jobs_it_cannot_run(tmp_path, args, error):
+    result = _gpu_check(tmp_path, {}, *args)
+    assert result.returncode == 2 and error in result.stderr, result
