@@ -275,12 +275,17 @@ class Reporter:
         self._early.set()
 
     def _arm_outlier(self) -> None:
-        """After a report: look for steps over OUTLIER_FACTOR times the mean of those it took in (at most one
-        early report per OUTLIER_EVERY)."""
+        """After a report: look for steps over OUTLIER_FACTOR times the mean of those taken in since the last
+        threshold was set (at most one early report per OUTLIER_EVERY: until then, the steps add up). With no
+        step since an outlier (training paused after it), the threshold before it."""
+        if perf_counter() < self._early_next:
+            return
         with self._fold_lock:
             n, total, self._fold_n, self._fold_s = self._fold_n, self._fold_s, 0, 0.0
-        if n and perf_counter() >= self._early_next:
+        if n:
             self._outlier_above = OUTLIER_FACTOR * total / n
+        elif self._outlier_above == float("inf"):
+            self._outlier_above = self._outlier_seen
 
     def _report_outlier(self) -> None:
         """A report of the steps before the outlier, now; the next one (``_run``: half an interval later, flagged,
@@ -291,6 +296,8 @@ class Reporter:
         with self._send_lock, self._fold_lock:
             self._fold(below=self._outlier_seen)
             self._send(fold=False)
+            if self._done:  # the outlier, first of the steps left: counted now, so in the next report
+                self._count(deque([self._done.popleft()]))
             self._fold_n, self._fold_s = 0, 0.0  # the next threshold comes from the steps after the outlier
 
     def _idle_check(self) -> None:
@@ -330,6 +337,11 @@ class Reporter:
                 while done and done[0][1] <= below:
                     before.append(done.popleft())
                 done = before
+            self._count(done)
+
+    def _count(self, done: deque[tuple[float, float, int, int]]) -> None:
+        """Take in the steps queued in ``done`` (as many as it holds now; the training thread may add more)."""
+        with self._fold_lock:
             count, time_before = len(done), self.step_time_sum
             for _ in range(count):
                 ended, seconds, steps, samples = done.popleft()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tfprofd.exporter.hook import Reporter
+from tfprofd.exporter.hook import OUTLIER_EVERY, Reporter
 from tfprofd.exporter.training import (
     MAX_BRACKETS,
     REJECT_REASONS,
@@ -205,6 +205,20 @@ class Listener:
     def first(self, test) -> dict | None:
         return next((r for r in self.read() if test(r)), None)
 
+    def latest_seq(self) -> int:
+        return max((r["seq"] for r in self.read()), default=0)
+
+
+def wait_for_outliers_looked_for(latest_seq) -> int:
+    """Wait past the hook's one early report a second, then for a report after that (the reporter looks for
+    outliers again from then on): a step of the fast ones that a busy machine stalled may have been one, and
+    a slow step the test makes must be seen as the next. Returns the last seq before the slow step."""
+    since = time.monotonic()
+    wait_for(lambda: time.monotonic() - since > OUTLIER_EVERY, 20, message="early reports allowed again")
+    latest = latest_seq()
+    wait_for(lambda: latest_seq() > latest, 20, message="a report after that")
+    return latest_seq()
+
 
 def test_a_step_far_longer_than_the_last_ones_is_reported_early_in_a_report_of_its_own():
     listener = Listener()
@@ -213,12 +227,13 @@ def test_a_step_far_longer_than_the_last_ones_is_reported_early_in_a_report_of_i
         for _ in range(200):
             with reporter.step(batch_size=8):
                 pass
-        seen = wait_for(lambda: listener.first(lambda r: r["step_seconds"]["count"] == 200), 20,
-                        message="the fast steps reported")
-        wait_for(lambda: listener.first(lambda r: r["seq"] > seen["seq"] + 1), 20, message="two reports more")
+        wait_for(lambda: listener.first(lambda r: r["step_seconds"]["count"] == 200), 20,
+                 message="the fast steps reported")
+        mark = wait_for_outliers_looked_for(listener.latest_seq)
         with reporter.step(batch_size=8):
             time.sleep(0.05)  # the step the input pipeline stalls
-        outlier = wait_for(lambda: listener.first(lambda r: r.get("outlier")), 20, message="a flagged report")
+        outlier = wait_for(lambda: listener.first(lambda r: r.get("outlier") and r["seq"] > mark), 20,
+                           message="a flagged report")
         with reporter.step(batch_size=8):
             time.sleep(0.05)  # another at once: at most one early report a second
         wait_for(lambda: listener.first(lambda r: r["step_seconds"]["count"] == 202 and r["seq"] >= outlier["seq"] + 3),
@@ -232,8 +247,34 @@ def test_a_step_far_longer_than_the_last_ones_is_reported_early_in_a_report_of_i
     assert before["step_seconds"]["count"] == 200 and outlier["step_seconds"]["count"] == 201
     assert outlier["step_seconds"]["sum"] - before["step_seconds"]["sum"] >= 0.05
     # The second slow step, within the second, brings no early report of its own.
-    assert [r["seq"] for r in listener.reports if r.get("outlier")] == [outlier["seq"]]
+    assert [r["seq"] for r in listener.reports if r.get("outlier") and r["seq"] > mark] == [outlier["seq"]]
     assert parse_report(encode(outlier), 8192).outlier
+
+
+def test_after_an_outlier_and_a_pause_the_next_slow_step_is_reported_early_too():
+    """A stall, then training pauses (or its steps are few): the next stall, a second or more later, is still
+    reported at once; the threshold is the one before the first stall, not inflated by it nor lost."""
+    listener = Listener()
+    reporter = Reporter(job="jump", profiler=False, addr=listener.addr, interval=0.2).start()
+    try:
+        for _ in range(200):
+            with reporter.step(batch_size=8):
+                pass
+        wait_for(lambda: listener.first(lambda r: r["step_seconds"]["count"] == 200), 20,
+                 message="the fast steps reported")
+        mark = wait_for_outliers_looked_for(listener.latest_seq)
+        with reporter.step(batch_size=8):
+            time.sleep(0.05)  # the first stall, the last step for a while
+        first = wait_for(lambda: listener.first(lambda r: r.get("outlier") and r["seq"] > mark), 20,
+                         message="the first flagged report")
+        wait_for_outliers_looked_for(listener.latest_seq)
+        with reporter.step(batch_size=8):
+            time.sleep(0.05)  # the second stall
+        second = wait_for(lambda: listener.first(lambda r: r.get("outlier") and r["seq"] > first["seq"]), 20,
+                          message="the second stall flagged")
+    finally:
+        reporter.close()
+    assert second["step_seconds"]["count"] == 202
 
 
 SLOW_STEP_RULES = """
@@ -260,8 +301,9 @@ def test_an_outlier_step_is_seen_by_the_rules_before_the_next_interval(agents, t
         for _ in range(200):
             with reporter.step(batch_size=8):
                 pass
-        sent = reporter._seq
-        wait_for(lambda: reporter._seq >= sent + 2, 20, message="the fast steps reported")
+        with reporter.step(batch_size=8):
+            time.sleep(0.01)  # a step a busy machine stalled: an outlier, under the rule's 40 ms
+        wait_for_outliers_looked_for(lambda: reporter._seq)
         with reporter.step(batch_size=8):
             time.sleep(0.06)
         wait_for(lambda: "rule slow_step firing" in agent.log(), 60,
