@@ -319,7 +319,9 @@ def test_a_killed_job_stops_counting_as_training_at_once(agents, tmp_path):
 
 def test_a_custom_loop_that_ends_is_idle_and_fires_no_throughput_drop(agents, tmp_path):
     config = tmp_path / "rules.yaml"
-    config.write_text("rules:\n  - name: drop\n    signal: samples_per_second\n    below: 1\n    for: 0s\n")
+    # for: 1s, not 0s: a report holding no finished step (the main thread stalled on a busy machine) reads 0
+    # samples/s for a moment while training; what must not fire is the 0 of a job that ended
+    config.write_text("rules:\n  - name: drop\n    signal: samples_per_second\n    below: 1\n    for: 1s\n")
     agent = agents(args=["--config", str(config)], fixtures=False)
     code = textwrap.dedent(f"""
         import sys, time

@@ -236,12 +236,15 @@ def test_explicit_batch_size_is_exported(agents):
 
 def test_agent_killed_and_restarted_mid_training(agents):
     agent = agents()
-    proc = train(agent, "--job", "survivor", "--seconds", "12", "--map-delay", "0.0005", wait=False)
+    # long enough for the agent to be back before the job's last report on a busy machine (the seconds count
+    # from before the first step's tracing, and the restart waits 2 s and then for the agent to serve)
+    proc = train(agent, "--job", "survivor", "--seconds", "20", "--map-delay", "0.0005", wait=False)
     wait_for(lambda: (counts(agent, "survivor")[0] or 0) > 0, 60, message="training to report")
     agent.proc.kill()
     agent.proc.wait()
     time.sleep(2)
     agent.start()  # same ports: the hook finds it again
+    assert proc.poll() is None, "the job ended before the agent was back: its last reports went nowhere"
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     truth = json.loads(out.strip().splitlines()[-1])

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tfprofd.exporter.hook import OUTLIER_EVERY, Reporter
+from tfprofd.exporter import hook
+from tfprofd.exporter.hook import Reporter
 from tfprofd.exporter.training import (
     MAX_BRACKETS,
     REJECT_REASONS,
@@ -87,17 +88,18 @@ def test_fuzzed_datagrams_never_crash_the_agent_and_are_counted(agents):
     payloads.append((b"x" * 65000, "too_large"))
     payloads.append((encode(valid(v="1")), "unknown_version"))
     payloads.append((b"null", "not_an_object"))
-    with reports_socket() as sock:
-        for i, (payload, reason) in enumerate(payloads):
-            sock.sendto(payload, ("127.0.0.1", agent.hook_port))
-            sent[reason] += 1
-            if i % 20 == 0:
-                time.sleep(0.005)  # UDP on loopback still drops when a receive buffer overflows
-        sock.sendto(encode(valid(job="fine")), ("127.0.0.1", agent.hook_port))
 
     def all_counted():
         text = agent.scrape()
         return all(metric_value(text, "tfprofd_hook_reports_rejected_total", reason=r) == n for r, n in sent.items())
+
+    with reports_socket() as sock:
+        for i, (payload, reason) in enumerate(payloads):
+            sock.sendto(payload, ("127.0.0.1", agent.hook_port))
+            sent[reason] += 1
+            if i % 20 == 19:  # a full receive buffer drops datagrams (an agent not scheduled meanwhile): 20 at a time
+                wait_for(all_counted, 10, message=f"rejections counted by reason: {sent}")
+        sock.sendto(encode(valid(job="fine")), ("127.0.0.1", agent.hook_port))
 
     wait_for(all_counted, 10, message=f"rejections counted by reason: {sent}")
     text = agent.scrape()
@@ -209,18 +211,15 @@ class Listener:
         return max((r["seq"] for r in self.read()), default=0)
 
 
-def wait_for_outliers_looked_for(latest_seq) -> int:
-    """Wait past the hook's one early report a second, then for a report after that (the reporter looks for
-    outliers again from then on): a step of the fast ones that a busy machine stalled may have been one, and
-    a slow step the test makes must be seen as the next. Returns the last seq before the slow step."""
-    since = time.monotonic()
-    wait_for(lambda: time.monotonic() - since > OUTLIER_EVERY, 20, message="early reports allowed again")
-    latest = latest_seq()
-    wait_for(lambda: latest_seq() > latest, 20, message="a report after that")
+def wait_for_outliers_looked_for(reporter: Reporter, latest_seq) -> int:
+    """Wait until the hook looks for outlier steps (its threshold set: after its first report, and again past its
+    one early report a second): a step of the fast ones that a busy machine stalled may have been one, and a slow
+    step the test makes must be seen as the next. Returns the last seq sent before the slow step."""
+    wait_for(lambda: reporter._outlier_above < float("inf"), 20, message="the hook to look for outlier steps")
     return latest_seq()
 
 
-def test_a_step_far_longer_than_the_last_ones_is_reported_early_in_a_report_of_its_own():
+def test_a_step_far_longer_than_the_last_ones_is_reported_early_in_a_report_of_its_own(monkeypatch):
     listener = Listener()
     reporter = Reporter(job="jump", profiler=False, addr=listener.addr, interval=0.2).start()
     try:
@@ -229,13 +228,14 @@ def test_a_step_far_longer_than_the_last_ones_is_reported_early_in_a_report_of_i
                 pass
         wait_for(lambda: listener.first(lambda r: r["step_seconds"]["count"] == 200), 20,
                  message="the fast steps reported")
-        mark = wait_for_outliers_looked_for(listener.latest_seq)
+        mark = wait_for_outliers_looked_for(reporter, listener.latest_seq)
+        monkeypatch.setattr(hook, "OUTLIER_EVERY", 60.0)  # the second slow step below comes within it, however late
         with reporter.step(batch_size=8):
             time.sleep(0.05)  # the step the input pipeline stalls
         outlier = wait_for(lambda: listener.first(lambda r: r.get("outlier") and r["seq"] > mark), 20,
                            message="a flagged report")
         with reporter.step(batch_size=8):
-            time.sleep(0.05)  # another at once: at most one early report a second
+            time.sleep(0.05)  # another: at most one early report per OUTLIER_EVERY
         wait_for(lambda: listener.first(lambda r: r["step_seconds"]["count"] == 202 and r["seq"] >= outlier["seq"] + 3),
                  20, message="the last step and two reports more")
     finally:
@@ -262,12 +262,12 @@ def test_after_an_outlier_and_a_pause_the_next_slow_step_is_reported_early_too()
                 pass
         wait_for(lambda: listener.first(lambda r: r["step_seconds"]["count"] == 200), 20,
                  message="the fast steps reported")
-        mark = wait_for_outliers_looked_for(listener.latest_seq)
+        mark = wait_for_outliers_looked_for(reporter, listener.latest_seq)
         with reporter.step(batch_size=8):
             time.sleep(0.05)  # the first stall, the last step for a while
         first = wait_for(lambda: listener.first(lambda r: r.get("outlier") and r["seq"] > mark), 20,
                          message="the first flagged report")
-        wait_for_outliers_looked_for(listener.latest_seq)
+        wait_for_outliers_looked_for(reporter, listener.latest_seq)
         with reporter.step(batch_size=8):
             time.sleep(0.05)  # the second stall
         second = wait_for(lambda: listener.first(lambda r: r.get("outlier") and r["seq"] > first["seq"]), 20,
@@ -303,7 +303,7 @@ def test_an_outlier_step_is_seen_by_the_rules_before_the_next_interval(agents, t
                 pass
         with reporter.step(batch_size=8):
             time.sleep(0.01)  # a step a busy machine stalled: an outlier, under the rule's 40 ms
-        wait_for_outliers_looked_for(lambda: reporter._seq)
+        wait_for_outliers_looked_for(reporter, lambda: reporter._seq)
         with reporter.step(batch_size=8):
             time.sleep(0.06)
         wait_for(lambda: "rule slow_step firing" in agent.log(), 60,
