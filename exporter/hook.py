@@ -278,7 +278,7 @@ class Reporter:
         """After a report: look for steps over OUTLIER_FACTOR times the mean of those taken in since the last
         threshold was set (at most one early report per OUTLIER_EVERY: until then, the steps add up). With no
         step since an outlier (training paused after it), the threshold before it."""
-        if perf_counter() < self._early_next:
+        if perf_counter() < self._early_next or self._early.is_set():  # (an outlier not yet reported: it resets)
             return
         with self._fold_lock:
             n, total, self._fold_n, self._fold_s = self._fold_n, self._fold_s, 0, 0.0
@@ -296,8 +296,9 @@ class Reporter:
         with self._send_lock, self._fold_lock:
             self._fold(below=self._outlier_seen)
             self._send(fold=False)
-            if self._done:  # the outlier, first of the steps left: counted now, so in the next report
-                self._count(deque([self._done.popleft()]))
+            done = self._done
+            if done and done[0][1] > self._outlier_seen:  # the outlier (unless a fold took it in before): counted
+                self._count(deque([done.popleft()]))  # now, so in the next report, and left out of the threshold
             self._fold_n, self._fold_s = 0, 0.0  # the next threshold comes from the steps after the outlier
 
     def _idle_check(self) -> None:
