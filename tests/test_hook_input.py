@@ -8,6 +8,8 @@ import signal
 import socket
 import time
 import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -219,8 +221,9 @@ def wait_for_outliers_looked_for(reporter: Reporter, latest_seq) -> int:
     return latest_seq()
 
 
-def test_a_step_far_longer_than_the_last_ones_is_reported_early_in_a_report_of_its_own(monkeypatch):
-    listener = Listener()
+@contextmanager
+def fast_steps_reported(listener: Listener) -> Iterator[tuple[Reporter, int]]:
+    """A reporter to ``listener`` that has reported 200 fast steps and looks for outliers: (it, the last seq)."""
     reporter = Reporter(job="jump", profiler=False, addr=listener.addr, interval=0.2).start()
     try:
         for _ in range(200):
@@ -228,7 +231,14 @@ def test_a_step_far_longer_than_the_last_ones_is_reported_early_in_a_report_of_i
                 pass
         wait_for(lambda: listener.first(lambda r: r["step_seconds"]["count"] == 200), 20,
                  message="the fast steps reported")
-        mark = wait_for_outliers_looked_for(reporter, listener.latest_seq)
+        yield reporter, wait_for_outliers_looked_for(reporter, listener.latest_seq)
+    finally:
+        reporter.close()
+
+
+def test_a_step_far_longer_than_the_last_ones_is_reported_early_in_a_report_of_its_own(monkeypatch):
+    listener = Listener()
+    with fast_steps_reported(listener) as (reporter, mark):
         monkeypatch.setattr(hook, "OUTLIER_EVERY", 60.0)  # the second slow step below comes within it, however late
         with reporter.step(batch_size=8):
             time.sleep(0.05)  # the step the input pipeline stalls
@@ -238,8 +248,6 @@ def test_a_step_far_longer_than_the_last_ones_is_reported_early_in_a_report_of_i
             time.sleep(0.05)  # another: at most one early report per OUTLIER_EVERY
         wait_for(lambda: listener.first(lambda r: r["step_seconds"]["count"] == 202 and r["seq"] >= outlier["seq"] + 3),
                  20, message="the last step and two reports more")
-    finally:
-        reporter.close()
     before = next(r for r in listener.reports if r["seq"] == outlier["seq"] - 1)
     # The report just before, sent as the slow step ended, holds the fast steps only; the flagged one (the agent
     # samples on it at once) holds the slow step and what came after it (nothing here), undiluted by the fast
@@ -255,14 +263,7 @@ def test_after_an_outlier_and_a_pause_the_next_slow_step_is_reported_early_too()
     """A stall, then training pauses (or its steps are few): the next stall, a second or more later, is still
     reported at once; the threshold is the one before the first stall, not inflated by it nor lost."""
     listener = Listener()
-    reporter = Reporter(job="jump", profiler=False, addr=listener.addr, interval=0.2).start()
-    try:
-        for _ in range(200):
-            with reporter.step(batch_size=8):
-                pass
-        wait_for(lambda: listener.first(lambda r: r["step_seconds"]["count"] == 200), 20,
-                 message="the fast steps reported")
-        mark = wait_for_outliers_looked_for(reporter, listener.latest_seq)
+    with fast_steps_reported(listener) as (reporter, mark):
         with reporter.step(batch_size=8):
             time.sleep(0.05)  # the first stall, the last step for a while
         first = wait_for(lambda: listener.first(lambda r: r.get("outlier") and r["seq"] > mark), 20,
@@ -272,8 +273,6 @@ def test_after_an_outlier_and_a_pause_the_next_slow_step_is_reported_early_too()
             time.sleep(0.05)  # the second stall
         second = wait_for(lambda: listener.first(lambda r: r.get("outlier") and r["seq"] > first["seq"]), 20,
                           message="the second stall flagged")
-    finally:
-        reporter.close()
     assert second["step_seconds"]["count"] == 202
 
 
