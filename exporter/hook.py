@@ -42,7 +42,7 @@ DEFAULT_UDP_ADDR = "127.0.0.1:9847"
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PHASES = ("train", "evaluate", "predict", "idle")
 FOLD_AT = 65536  # steps queued at most before the training thread counts them itself
-OUTLIER_FACTOR = 10.0  # a step this many times longer than the mean of the last interval's is reported at once
+OUTLIER_FACTOR = 10.0  # a step this many times longer than the mean of the steps before it is reported at once
 OUTLIER_EVERY = 1.0  # seconds: at most one such early report a second
 
 _profiler_address: str | None = None
