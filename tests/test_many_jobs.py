@@ -313,10 +313,14 @@ def test_a_listener_with_nothing_to_read_sleeps_until_a_report_or_close():
             status = Path(f"/proc/self/task/{listener.native_id}/status").read_text()
             return sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
 
+        def sleeping() -> bool:  # not running, nor waiting for a CPU (preempted, it switches no more than asleep)
+            stat = Path(f"/proc/self/task/{listener.native_id}/stat").read_text()
+            return stat.rsplit(")", 1)[1].split()[0] == "S"
+
         def settled() -> bool:  # back to waiting: on a busy machine it may still be finishing the report
             first = wakes()
             threading.Event().wait(0.1)
-            return wakes() == first
+            return wakes() == first and sleeping()
 
         wait_for(settled, 60, message="the listener to wait again")
         before = wakes()
