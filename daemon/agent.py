@@ -172,7 +172,11 @@ class Agent:
     def _on_snapshot(self, snapshot: Snapshot) -> None:
         """Evaluate the rules on a new sample; a rule that captures asks for a capture when it goes pending
         (captures.on_pending) or fires."""
-        for t in self.engine.observe(snapshot.collector, snapshot.monotonic, snapshot.signals, self.jobs.is_training):
+        transitions = self.engine.observe(snapshot.collector, snapshot.monotonic, snapshot.signals,
+                                          self.jobs.is_training)
+        if transitions:
+            self.endpoints.agent_changed()  # rendered by this sample's after_sample, the next subscriber
+        for t in transitions:
             log_transition(t)
             if t.rule.capture and self.captures is not None:
                 on_transition(t, self.captures, self.cfg.captures.on_pending, self.cfg.core.interval,

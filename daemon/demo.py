@@ -153,10 +153,10 @@ def _watch(port: int, api_port: int, token_file: Path, timeout: float, processes
                 print(f"tfprofd demo: process {proc.pid} exited early ({proc.returncode}); see the logs",
                       file=sys.stderr)
                 return 1
-        try:
-            text = _get(f"http://127.0.0.1:{port}/metrics").decode()
+        try:  # the captures first: one kept when the rule fired is then seen with the rule firing in /metrics
             token = token_file.read_text().strip()
             captures = json.loads(_get(f"http://127.0.0.1:{api_port}/api/v1/captures", token))["captures"]
+            text = _get(f"http://127.0.0.1:{port}/metrics").decode()
         except OSError:
             continue
         now = time.monotonic()

@@ -37,6 +37,7 @@ class Endpoints:
         self.stopping = stopping
         self.exposition = Exposition(reusing=(AGENT_PART,))
         self.workers: Callable[[], dict[str, Any]] = dict  # the worker pools' state, shown (not judged) by /healthz
+        self._agent_changed = False  # a rule changed state: the next sample renders the agent's part, however young
         router.add("GET", "/", self.landing, inline=True)
         router.add("GET", "/metrics", self.metrics, inline=True)
         router.add("GET", "/healthz", self.healthz, inline=True)
@@ -58,12 +59,20 @@ class Endpoints:
     def _agent_families(self) -> list[Metric]:
         return [*self.collect(), *self.live()]
 
+    def agent_changed(self) -> None:
+        """A rule went pending, fired or cleared on the sample being published: its scrape must say so at once
+        (the agent's part is otherwise rendered at most every half interval, and a rule that fired just after
+        a rendering read quiet until the next one)."""
+        self._agent_changed = True
+
     def after_sample(self, snapshot: Snapshot) -> None:
         """Subscribed to every runner: render the collector, and the agent's own state (rules, captures,
         health) that its sample changed, ahead of a scrape that is due."""
         interval = self.interval()
         self.exposition.after_sample(snapshot.collector, snapshot.families, interval)
-        self.exposition.after_sample(AGENT_PART, self._agent_families, interval, min_gap=interval / 2)
+        changed, self._agent_changed = self._agent_changed, False
+        min_gap = 0.0 if changed else interval / 2
+        self.exposition.after_sample(AGENT_PART, self._agent_families, interval, min_gap=min_gap)
 
     def _parts(self, fmt: str) -> list[Part]:
         max_age = 2 * self.interval() + 0.5

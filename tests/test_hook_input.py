@@ -307,6 +307,10 @@ def test_an_outlier_step_is_seen_by_the_rules_before_the_next_interval(agents, t
             time.sleep(0.06)
         wait_for(lambda: "rule slow_step firing" in agent.log(), 60,
                  message="the rule to see the slow step (the next scheduled sample is 120 s away)")
+        # and /metrics says so from that sample on: the agent's part was rendered at most every half interval (60 s
+        # here), so a rule that fired soon after a rendering read quiet to every scrape until the next one
+        wait_for(lambda: metric_value(agent.scrape(), "tfprofd_rule_active", rule="slow_step") == 1, 10,
+                 message="/metrics to show the rule firing")
     finally:
         reporter.close()
 
