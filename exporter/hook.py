@@ -341,24 +341,24 @@ class Reporter:
             self._count(done)
 
     def _count(self, done: deque[tuple[float, float, int, int]]) -> None:
-        """Take in the steps queued in ``done`` (as many as it holds now; the training thread may add more)."""
-        with self._fold_lock:
-            count, time_before = len(done), self.step_time_sum
-            for _ in range(count):
-                ended, seconds, steps, samples = done.popleft()
-                if self.first_step_seconds is None:
-                    ended_at = time.time() - (perf_counter() - ended)
-                    self.first_step_seconds = max(ended_at - self.process_start, 0.0)
-                self.steps += steps
-                self.samples += samples
-                self.step_time_sum += seconds
-                per_step = seconds / steps if steps else seconds
-                self._longest_step = max(self._longest_step, per_step)
-                index = bisect.bisect_left(STEP_BUCKETS, per_step)
-                if index < len(self.step_buckets):
-                    self.step_buckets[index] += steps
-            self._fold_n += count  # for the next outlier threshold: the mean of the steps counted since
-            self._fold_s += self.step_time_sum - time_before
+        """Take in the steps queued in ``done`` (as many as it holds now; the training thread may add more).
+        Called with ``_fold_lock`` held (by ``_fold`` and ``_report_outlier``)."""
+        count, time_before = len(done), self.step_time_sum
+        for _ in range(count):
+            ended, seconds, steps, samples = done.popleft()
+            if self.first_step_seconds is None:
+                ended_at = time.time() - (perf_counter() - ended)
+                self.first_step_seconds = max(ended_at - self.process_start, 0.0)
+            self.steps += steps
+            self.samples += samples
+            self.step_time_sum += seconds
+            per_step = seconds / steps if steps else seconds
+            self._longest_step = max(self._longest_step, per_step)
+            index = bisect.bisect_left(STEP_BUCKETS, per_step)
+            if index < len(self.step_buckets):
+                self.step_buckets[index] += steps
+        self._fold_n += count  # for the next outlier threshold: the mean of the steps counted since
+        self._fold_s += self.step_time_sum - time_before
 
     def begin_step(self, steps: int = 1) -> None:
         """Mark the start of a step, or of ``steps`` steps run as one (Keras's steps_per_execution), with a
