@@ -143,6 +143,15 @@ def http(method: str, url: str, body: Any = None, token: str | None = None,
     return status, json.loads(raw) if "json" in ctype else raw.decode()
 
 
+def proc_state(stat: Path) -> str | None:
+    """The state letter (R, S, T, Z, ...) in a /proc ``<pid>/stat`` or ``task/<tid>/stat`` file; None once it is
+    gone. The name before it is in parentheses and may hold any character, ")" too."""
+    try:
+        return stat.read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return None
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.1, message: str = "condition") -> Any:
     deadline = time.monotonic() + timeout
     while True:

@@ -7,10 +7,11 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from helpers import wait_for
+from helpers import proc_state, wait_for
 
 pytestmark = pytest.mark.tf
 
@@ -27,7 +28,7 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return not open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z"
+    return proc_state(Path(f"/proc/{pid}/stat")) not in (None, "Z")
 
 
 def finds_the_input_bottleneck(tmp_path) -> str:

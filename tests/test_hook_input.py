@@ -28,7 +28,7 @@ from tfprofd.exporter.training import (
     parse_report,
 )
 
-from helpers import metric_value, reports_socket, wait_for
+from helpers import metric_value, proc_state, reports_socket, wait_for
 
 
 def valid(**overrides) -> dict:
@@ -433,12 +433,7 @@ def test_every_job_reporting_at_once_on_a_default_sized_buffer_is_received(monke
 
 def _stopped(pid: int) -> bool:
     """Whether every thread of ``pid`` is stopped (SIGSTOP takes effect a moment after it is sent)."""
-    states = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
-        except OSError:
-            continue
+    states = [state for task in Path(f"/proc/{pid}/task").iterdir() if (state := proc_state(task / "stat"))]
     return bool(states) and all(state in ("T", "t") for state in states)
 
 

@@ -37,7 +37,7 @@ from tfprofd.exporter.training import (
     unix_pause,
 )
 
-from helpers import FakeClock, wait_for
+from helpers import FakeClock, proc_state, wait_for
 
 HOSTILE = ['a"b', "back\\slash", "new\nline", 'all "\\\n" three', "ünïcödé ✓ 日本", "", "\\n", '"', "\\",
            "x" * 1000, ('"\\\n' * 334)[:1000], "{}=,# EOF", "\t tab and spaces "]
@@ -314,8 +314,7 @@ def test_a_listener_with_nothing_to_read_sleeps_until_a_report_or_close():
             return sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
 
         def sleeping() -> bool:  # not running, nor waiting for a CPU (preempted, it switches no more than asleep)
-            stat = Path(f"/proc/self/task/{listener.native_id}/stat").read_text()
-            return stat.rsplit(")", 1)[1].split()[0] == "S"
+            return proc_state(Path(f"/proc/self/task/{listener.native_id}/stat")) == "S"
 
         def settled() -> bool:  # back to waiting: on a busy machine it may still be finishing the report
             first = wakes()
