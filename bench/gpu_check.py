@@ -138,20 +138,36 @@ def value_of(text: str, metric: str) -> float | None:
     return next((value for name, _, value in parse(text) if name == metric), None)
 
 
+def unscraped_from(last: float, longest_gap: float, interval: float = 1.0) -> float:
+    """When, after its last scrape at ``last`` (monotonic), the agent no longer renders ahead for that scraper: it
+    keeps a scraper's cadence for two of its periods (a mean of its gaps, at most ``longest_gap``) and 2.5 sampling
+    intervals (``tfprofd.daemon.exposition.cadence_kept``; this script imports nothing of the agent's), and a CPU
+    window begun sooner counted up to four renderings of every job for the check's own polls; a second more for
+    the polls' jitter."""
+    return last + 2 * longest_gap + 2.5 * interval + 1
+
+
 def jobs_cpu(agent: subprocess.Popen, port: int, jobs: int, window: float, over: str) -> str:
     """The agent's CPU while ``jobs`` simulated jobs report and nobody scrapes it, once it serves them all."""
     deadline = time.monotonic() + 120
-    while value_of(scrape(port), "tfprofd_hook_jobs") != jobs:
-        if time.monotonic() > deadline or agent.poll() is not None:
+    longest, last = 1.0, None
+    while True:
+        text = scrape(port)
+        now = time.monotonic()
+        longest, last = (longest, now) if last is None else (max(longest, now - last), now)
+        if value_of(text, "tfprofd_hook_jobs") == jobs:
+            break
+        if now > deadline or agent.poll() is not None:
             return f"{jobs} jobs: the agent did not serve them all within 120 s\n"
         time.sleep(1)
-    reports0 = value_of(scrape(port), "tfprofd_hook_reports_total") or 0
+    reports0 = value_of(text, "tfprofd_hook_reports_total") or 0
+    time.sleep(max(0.0, unscraped_from(last, longest) - time.monotonic()))
     cpu0, started = cpu_seconds(agent.pid), time.monotonic()
     time.sleep(window)
-    cpu, elapsed = cpu_seconds(agent.pid) - cpu0, time.monotonic() - started
+    cpu, ended = cpu_seconds(agent.pid) - cpu0, time.monotonic()
     reports = (value_of(scrape(port), "tfprofd_hook_reports_total") or 0) - reports0
-    return (f"{jobs} jobs reporting at their own phases over {over} ({reports / elapsed:.0f} reports/s), "
-            f"{window:.0f} s unscraped: the agent's CPU {100 * cpu / elapsed:.2f}% of a core\n")
+    return (f"{jobs} jobs reporting at their own phases over {over} ({reports / (ended - last):.0f} reports/s), "
+            f"{window:.0f} s unscraped: the agent's CPU {100 * cpu / (ended - started):.2f}% of a core\n")
 
 
 def run(seconds: float, out: Path | None, site: Path = SITE, workload: float = 0, jobs: int = 0,

@@ -37,6 +37,8 @@ from http.client import HTTPConnection
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from tfprofd.daemon.exposition import cadence_kept
+
 from common import cpu_seconds, percentile, rss_bytes, seasoned, start_agent, start_node_exporter, stop
 from helpers import free_port, metric_value, start_prometheus
 
@@ -157,15 +159,26 @@ def query(prom_port: int, promql: str) -> list[dict]:
     return json.loads(urllib.request.urlopen(url).read())["data"]["result"]
 
 
-def wait_jobs(agent_port: int, jobs: int) -> None:
-    """Until the agent serves every reporting job (a thousand new jobs take a few samples), then 2 s more."""
+POLL_SECONDS = 0.5  # how often wait_jobs asks whether the agent serves every job
+
+
+def wait_jobs(agent_port: int, jobs: int, interval: float = 1.0) -> tuple[float, float]:
+    """Until the agent serves every reporting job (a thousand new jobs take a few samples), and then until it no
+    longer renders ahead for these polls: (the reports it had accepted at the last poll, monotonic time then). The
+    agent keeps a scraper's cadence, rendering every sample near its next scrape, for two of its periods and 2.5
+    sampling intervals after its last scrape (``cadence_kept``): a window measured as unscraped from sooner counted
+    up to four renderings of 1,000 jobs for the bench's own polls (0.5-0.9% of a core). A second more for the
+    polls' own jitter (the agent's period is a mean of the gaps it saw, the longest here at most)."""
     deadline = time.monotonic() + 120
+    longest, last = POLL_SECONDS, None
     while time.monotonic() < deadline:
         body = urllib.request.urlopen(f"http://127.0.0.1:{agent_port}/metrics", timeout=30).read().decode()
+        now = time.monotonic()
+        longest, last = (longest, now) if last is None else (max(longest, now - last), now)
         if metric_value(body, "tfprofd_hook_jobs") == jobs:
-            time.sleep(2)
-            return
-        time.sleep(0.5)
+            time.sleep(max(0.0, last + cadence_kept(longest, interval) + 1 - time.monotonic()))
+            return metric_value(body, "tfprofd_hook_reports_total") or 0.0, last
+        time.sleep(POLL_SECONDS)
     raise RuntimeError(f"the agent did not see {jobs} jobs")
 
 
@@ -188,8 +201,7 @@ def measure(jobs: int) -> dict[str, float]:
                                     daemon=True)
         reporting.start()
         try:
-            wait_jobs(agent_port, jobs)
-            reports0, started = reports(agent_port), time.monotonic()  # read outside the CPU window
+            reports0, started = wait_jobs(agent_port, jobs)  # read outside the CPU window
             a0, n0 = cpu_seconds(agent.pid), cpu_seconds(node.pid)
             time.sleep(CPU_SECONDS)  # sampling and the jobs' reports, no scrapes
             agent_cpu = (cpu_seconds(agent.pid) - a0) / CPU_SECONDS

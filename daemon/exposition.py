@@ -219,7 +219,7 @@ def gzip_body(parts: Sequence[Part]) -> bytes:
                      struct.pack("<II", crc, size & 0xFFFFFFFF)])
 
 
-def _cadence_kept(period: float, interval: float) -> float:
+def cadence_kept(period: float, interval: float) -> float:
     """How long after its last scrape a cadence is still kept: past two periods without a scrape it is gone (a
     burst of polls that stopped), since rendering every sample for it would cost as much as being scraped (a
     scrape that does come renders itself); 2.5 intervals more for the age a part may have."""
@@ -263,7 +263,7 @@ class Exposition:
         last, period = self._scrapes[fmt]
         if period is None or now - last > DEMAND_SECONDS:
             return False  # no cadence known yet (one curl), or nobody scrapes this format any more
-        return period - 2.5 * interval <= now - last <= _cadence_kept(period, interval)
+        return period - 2.5 * interval <= now - last <= cadence_kept(period, interval)
 
     def after_sample(self, name: str, collect: Callable[[], Iterable[Metric]], interval: float,
                      min_gap: float = 0.0) -> None:
@@ -283,7 +283,7 @@ class Exposition:
         """Whether a gzip scrape in ``fmt`` is due as ``_due`` reckons (a plain scraper of the same format, curl or
         a Prometheus without compression, may come in between)."""
         last, period = self._gzipped.get(fmt), self._scrapes[fmt][1]
-        return last is not None and period is not None and now - last <= _cadence_kept(period, interval)
+        return last is not None and period is not None and now - last <= cadence_kept(period, interval)
 
     def part(self, name: str, fmt: str, collect: Callable[[], Iterable[Metric]], max_age: float) -> Part:
         """The collector's rendering in ``fmt``, at most ``max_age`` old (rendered now if there is none)."""
