@@ -167,8 +167,9 @@ def wait_jobs(agent_port: int, jobs: int, interval: float = 1.0) -> tuple[float,
     longer renders ahead for these polls: (the reports it had accepted at the last poll, monotonic time then). The
     agent keeps a scraper's cadence, rendering every sample near its next scrape, for two of its periods and 2.5
     sampling intervals after its last scrape (``cadence_kept``): a window measured as unscraped from sooner counted
-    up to four renderings of 1,000 jobs for the bench's own polls (0.5-0.9% of a core). A second more for the
-    polls' own jitter (the agent's period is a mean of the gaps it saw, the longest here at most)."""
+    up to four renderings of 1,000 jobs for the bench's own polls (0.4-0.8% of a core). A second more for the
+    polls' own jitter (the agent's period is a mean of the gaps it saw, the longest here at most). ``--quick``
+    (CI, whose figures nobody reads) waits 2 s instead."""
     deadline = time.monotonic() + 120
     longest, last = POLL_SECONDS, None
     while time.monotonic() < deadline:
@@ -176,7 +177,8 @@ def wait_jobs(agent_port: int, jobs: int, interval: float = 1.0) -> tuple[float,
         now = time.monotonic()
         longest, last = (longest, now) if last is None else (max(longest, now - last), now)
         if metric_value(body, "tfprofd_hook_jobs") == jobs:
-            time.sleep(max(0.0, last + cadence_kept(longest, interval) + 1 - time.monotonic()))
+            settled = last + (2 if QUICK else cadence_kept(longest, interval) + 1)
+            time.sleep(max(0.0, settled - time.monotonic()))
             return metric_value(body, "tfprofd_hook_reports_total") or 0.0, last
         time.sleep(POLL_SECONDS)
     raise RuntimeError(f"the agent did not see {jobs} jobs")

@@ -30,10 +30,20 @@ def build_fakenvml() -> Path:
     return FAKENVML
 
 
+_HANDED_OUT: set[tuple[int, int]] = set()
+
+
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, and never one this process handed out before: the kernel picks a port at random
+    and may pick one just closed again, so an agent's /metrics and control API were once given the same port
+    (the agent refused to start: "api.listen: must differ from listen")."""
+    while True:
+        with socket.socket(socket.AF_INET, kind) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if (kind, port) not in _HANDED_OUT:
+            _HANDED_OUT.add((kind, port))
+            return port
 
 
 def gpu(index: int, **overrides: Any) -> dict[str, Any]:
