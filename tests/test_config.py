@@ -105,6 +105,14 @@ def test_env_and_flag_problems_name_their_source():
     assert "flag --api.listen: api.listen: port must be 0..65535, got 99999" in found
 
 
+def test_metrics_and_the_control_api_on_one_address_are_refused_naming_where():
+    found = problems(None, flags={"listen": "127.0.0.1:9500", "api.listen": "127.0.0.1:9500"})
+    assert found == ["flag --api.listen: api.listen: must differ from listen: /metrics and the control API are "
+                     "separate listeners"], found
+    loaded = config.load(None, env={}, flags={"listen": "127.0.0.1:0", "api.listen": "127.0.0.1:0"})
+    assert loaded.core.listen == loaded.api.listen == ("127.0.0.1", 0)  # port 0 twice: two ports the kernel picks
+
+
 @pytest.mark.parametrize(("text", "key", "message"), [
     ("interval: .nan\n", "interval", "finite"),
     ("interval: .inf\n", "interval", "finite"),
