@@ -51,6 +51,7 @@ def test_a_valid_report_parses():
 @pytest.mark.parametrize(("payload", "reason"), [
     (b"\xff\xfe garbage", "malformed_json"),
     (b'{"v": 1, "job": "j"', "malformed_json"),
+    (b'{"v": 1, "job": -}', "malformed_json"),  # a value that is none: not the agent's internal_error
     (b"[1, 2, 3]", "not_an_object"),
     (encode(valid(v=2)), "unknown_version"),
     (encode(valid(steps=-1)), "invalid_field"),
@@ -71,6 +72,57 @@ def test_malformed_reports_are_rejected_with_a_reason(payload, reason):
     with pytest.raises(Rejected) as info:
         parse_report(payload, 8192)
     assert info.value.reason == reason
+
+
+def _hook_payloads(rng: random.Random) -> list[bytes]:
+    """Reports as the hook writes them (compact JSON), with values at and past every bound, and each once more
+    with a byte changed."""
+    edges = {"pid": [0, 1, 2**53, 2**53 + 1], "seq": [0, 2**53, 2**53 + 1], "steps": [2**53 + 1],
+             "time": [0, 5, 1e-05, 999999999999.9, 1e12, 1e20], "process_start": [0.5, 1e12],
+             "first_step_seconds": [None, 0, 2.5e-07, 1e12], "batch_size": [None, 0, 64, 2**53 + 1],
+             "skipped_steps": [0, 7, 2**53 + 1], "epoch": [0, 3, 2**53 + 1],
+             "profiler": [None, "127.0.0.1:6009", "[::1]:6009", "trainer-0.svc.cluster.local:6009", "::1:6009",
+                          "host:0", "host:65536", "a b:1", "[x{{{{{{{{{{{{{{{{]:1"],
+             "unsent": [1, 10**7, 10**7 + 1], "phase": ["train", "idle", "evaluate", "predict"],
+             "job": ["resnet", "a" * 128, "a" * 129, "x/y@z+1:2.3_4-5"]}
+    payloads = []
+    for i in range(400):
+        reporter = Reporter(job=f"job{i}", worker=str(i % 3), profiler=False, batch_size=rng.choice((None, 32)))
+        for _ in range(rng.randint(0, 4)):
+            reporter.record(rng.randint(1, 40), rng.randint(0, 4000), rng.random() * rng.choice((1e-4, 1, 300)))
+        report = reporter.report(outlier=rng.random() < 0.2)
+        for key in rng.sample(sorted(edges), rng.randint(0, 2)):
+            report[key] = rng.choice(edges[key])
+        if rng.random() < 0.1:
+            report["step_seconds"]["count"] = rng.choice((0, report["step_seconds"]["buckets"][-1] - 1, 2**53 + 1))
+        if rng.random() < 0.05:
+            report["step_seconds"]["buckets"][rng.randrange(15)] += rng.choice((-1, 1, 2**53))
+        payload = json.dumps(report, separators=(",", ":")).encode()
+        at = rng.randrange(len(payload))
+        payloads += [payload, payload[:at] + rng.choice(b'0123456789.,:-+eE"{}[]nul \\x\xff').to_bytes(1, "big")
+                     + payload[at + 1:]]
+    return payloads
+
+
+def test_reports_as_the_hook_writes_them_are_read_as_json_loads_reads_them(monkeypatch):
+    """parse_report decodes a report with JSON's scanner, not json.loads (issue 24). On the hook's own encoding,
+    with values at and past their bounds and a byte changed, it accepts and refuses what json.loads' decoding
+    does, with the same values, reasons and details: a value that is none inside the object (``"pid":-``) was
+    the agent's internal_error, with a traceback logged for every such datagram."""
+    from tfprofd.exporter import training
+
+    def outcome(payload: bytes) -> tuple[str, object]:
+        try:
+            return "read", parse_report(payload, 8192)
+        except Rejected as exc:
+            return exc.reason, str(exc)
+
+    payloads = _hook_payloads(random.Random(24))
+    read = [outcome(p) for p in payloads]
+    monkeypatch.setattr(training, "_decode", json.loads)
+    assert [outcome(p) for p in payloads] == read
+    kinds = [kind for kind, _ in read]
+    assert kinds.count("read") > 150 and kinds.count("malformed_json") > 50 and kinds.count("invalid_field") > 50
 
 
 def test_fuzzed_datagrams_never_crash_the_agent_and_are_counted(agents):
