@@ -47,6 +47,9 @@ class JobRegistry:
         self._training_jobs: set[str] = set()
         self._gpus_mapped = False  # NVML lists a reporting process on some GPU
         self._training_gpus: set[str] = set()  # GPUs where NVML lists a training process
+        self._pids: set[int] = set()  # of every reporting process
+        self._training_pids: set[int] = set()
+        self._derived_from: list[TrainingProcesses] = []  # the facts the sets above were derived from
         self._lock = threading.Lock()
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
@@ -66,18 +69,23 @@ class JobRegistry:
 
     def _derive(self) -> None:
         facts = [f for source in self._facts.values() for f in source]
-        self._processes = tuple(p for f in facts if isinstance(f, TrainingProcesses) for p in f.processes)
+        reported = [f for f in facts if isinstance(f, TrainingProcesses)]
+        if list(map(id, reported)) != list(map(id, self._derived_from)):  # the same objects (kept: ids stay theirs)
+            # the processes' sets only when the training facts are new: NVML's sample each interval found them
+            # as they were, and 1,000 jobs' were made again for it (issue 24)
+            self._derived_from = reported
+            self._processes = tuple(p for f in reported for p in f.processes)
+            training = [p for p in self._processes if p.training]
+            self._training = {(p.job, p.worker) for p in training}
+            self._training_jobs = {job for job, _ in self._training}
+            self._pids = {p.pid for p in self._processes}
+            self._training_pids = {p.pid for p in training}
         self._gpus = tuple(g for f in facts if isinstance(f, GpuProcesses) for g in f.gpus)
         self._pods = tuple(d for f in facts if isinstance(f, PodDevices) for d in f.devices)
         self._mig_parents = {m: g for f in facts if isinstance(f, GpuProcesses) for m, g in f.mig_parents}
         self._minors = {minor: g for f in facts if isinstance(f, GpuProcesses) for minor, g in f.minors}
-        training = [p for p in self._processes if p.training]
-        self._training = {(p.job, p.worker) for p in training}
-        self._training_jobs = {job for job, _ in self._training}
-        pids = {p.pid for p in self._processes}
-        training_pids = {p.pid for p in training}
-        self._gpus_mapped = any(pids & ids for _, _, ids in self._gpus)
-        self._training_gpus = {gpu for gpu, _, ids in self._gpus if training_pids & ids}
+        self._gpus_mapped = any(self._pids & ids for _, _, ids in self._gpus)
+        self._training_gpus = {gpu for gpu, _, ids in self._gpus if self._training_pids & ids}
 
     def _job_gpus(self) -> list[tuple[str, str, ProcessView]]:
         """(gpu, uuid, process) for every reporting process NVML lists on a GPU (joined on pid; only a pid

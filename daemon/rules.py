@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import re
 import threading
 from array import array
@@ -198,20 +199,22 @@ def mean(values: Sequence[float]) -> float:
     return math.fsum(values) / len(values)
 
 
+def _percentile(q: int) -> Callable[[Sequence[float]], float]:
+    def percentile(values: Sequence[float]) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+    return percentile
+
+
+# each aggregate as a function of its own: the rules aggregate a window of each series every sample, and a
+# chain of comparisons on the name was a tenth of it (issue 24)
+_AGGREGATES: dict[str, Callable[[Sequence[float]], float]] = {
+    "last": operator.itemgetter(-1), "mean": mean, "min": min, "max": max,
+    "increase": lambda values: values[-1] - values[0], **{f"p{q}": _percentile(q) for q in range(1, 100)}}
+
+
 def aggregate(values: Sequence[float], how: str) -> float:
-    if how == "last":
-        return values[-1]
-    if how == "mean":
-        return mean(values)
-    if how == "min":
-        return min(values)
-    if how == "max":
-        return max(values)
-    if how == "increase":
-        return values[-1] - values[0]
-    q = int(how[1:])
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+    return _AGGREGATES[how](values)
 
 
 class History:
@@ -268,6 +271,12 @@ class History:
         last = len(self._times) if end == math.inf else bisect_left(self._times, end, first)
         return self._values[first:last]
 
+    def since(self, start: float) -> tuple[array, int]:
+        """``between(start)``, and where the window begins: the baseline before it ends there (``median_bounds``'s
+        ``last``), found once for both."""
+        first = bisect_left(self._times, start, self._start)
+        return self._values[first:], first
+
     def forget_sorted(self) -> None:
         """Drop the windows kept sorted (the rules changed: a window no rule uses any more must not stay)."""
         self._sorted = None
@@ -298,15 +307,18 @@ class History:
         middle = len(ordered) // 2  # as statistics.median takes it (see ``mean``)
         return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
-    def median_bounds(self, start: float, end: float, key: Hashable, least: int = 1) -> tuple[float, float] | None:
+    def median_bounds(self, start: float, end: float, key: Hashable, least: int = 1,
+                      last: int | None = None) -> tuple[float, float] | None:
         """``(low, high)`` with low <= ``median_between(start, end, key, least)`` <= high (None where that is
         None), from the window named ``key`` as it was last kept sorted, without bringing it up to date: a
         sample that entered the window since moves the median down by a rank at most, one that left it up by
         a rank at most, so the bounds are the kept values that many ranks either side of the middle (both
         the median while nothing changed; -inf or inf past the kept values). ``Engine`` rules need the median
-        itself only where the bounds cannot decide a comparison: most samples of a steady job."""
+        itself only where the bounds cannot decide a comparison: most samples of a steady job. ``last``: the index
+        of the first sample at ``end`` or later, where known (``since``)."""
         first = bisect_left(self._times, start, self._start)
-        last = bisect_left(self._times, end, first)
+        if last is None:
+            last = bisect_left(self._times, end, first)
         count = last - first
         if count < least or not count:
             return None
@@ -333,14 +345,15 @@ def holds(condition: Condition, history: History, now: float) -> tuple[bool, flo
     """Whether the condition holds on a series' history at ``now``, and the value it compared."""
     if not history:
         return False, None
-    recent = history.between(now - condition.window) or [history.last()]
-    value = aggregate(recent, condition.aggregate)
+    start = now - condition.window
+    recent, end = history.since(start)
+    value = _AGGREGATES[condition.aggregate](recent or [history.last()])
     if condition.below is not None:
         return value < condition.below, value
     if condition.above is not None:
         return value > condition.above, value
-    start, key = now - condition.window, (condition.window, condition.baseline)
-    bounds = history.median_bounds(start - condition.baseline, start, key, 3)
+    key = (condition.window, condition.baseline)
+    bounds = history.median_bounds(start - condition.baseline, start, key, 3, end)
     if bounds is None:  # no baseline yet (fewer than 3 samples): never fire on a job's first minutes
         return False, value
     below = condition.below_baseline is not None
@@ -369,7 +382,7 @@ class Transition:
     why: str = ""  # for RESOLVED: "condition cleared", "series gone", "rule removed"
 
 
-@dataclass
+@dataclass(slots=True)
 class _State:
     pending_since: float | None = None
     active: bool = False
@@ -451,7 +464,8 @@ class Engine:
                 for labels, value in series:
                     if not math.isfinite(value):
                         continue
-                    entry = current[id(labels)] = known.get(id(labels)) or (labels, tuple(sorted(labels.items())))
+                    same = id(labels)
+                    entry = current[same] = known.get(same) or (labels, tuple(sorted(labels.items())))
                     key = entry[1]
                     keys.add(key)
                     history = histories.get(key)
