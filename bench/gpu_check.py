@@ -12,7 +12,8 @@ that failed. With ``--workload`` (default 20 s; PyTorch with CUDA on that machin
 the hook (``bench/gpu_workload.py``), at full speed and then slowed: the check prints, per phase, GPU 0's
 utilization and SM activity, the job's samples/s and step time, and whether ``tfprofd_gpu_job_info`` put the
 job's worker on the GPU (the join the straggler rule's GPU signal is built on). With ``--jobs N``, N simulated
-jobs report (over UDP from loopback, or ``--unix`` over the hook's Unix socket) at their own phases once a
+jobs report (over UDP from loopback, ``--pods`` over UDP from a network namespace of their own as pods do, or
+``--unix`` over the hook's Unix socket) at their own phases once a
 second, and the check prints the agent's CPU with them, unscraped for up to 20 s and then while it scrapes every
 second (the kernel's UDP socket table grows with the host's memory, and the agent reads it for a loopback
 UDP report: a GPU host's figures are not the development machine's). It writes the scrape, the log
@@ -116,13 +117,40 @@ def torch_cuda() -> bool:
     return subprocess.run(["python3", "-c", probe], capture_output=True).returncode == 0
 
 
-def start_jobs(site: Path, addr: str, jobs: int) -> subprocess.Popen:
+def start_jobs(site: Path, addr: str, jobs: int, netns: str | None = None) -> subprocess.Popen:
     """``jobs`` simulated jobs reporting once a second each, at their own phases, to ``addr`` (UDP, or the hook's
-    Unix socket: ``unix:PATH``) (``bench/scrape.py``'s reporter, in a process of its own, until it is killed)."""
+    Unix socket: ``unix:PATH``) (``bench/scrape.py``'s reporter, in a process of its own, until it is killed), from
+    the network namespace ``netns`` where given."""
     code = ("import threading; from scrape import report_forever; "
             f"report_forever({addr!r}, {jobs}, threading.Event(), spread=True)")
     path = os.pathsep.join(str(p) for p in (site, ROOT / "bench", ROOT / "tests"))
-    return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": path})
+    return subprocess.Popen([*(["ip", "netns", "exec", netns] if netns else []), sys.executable, "-c", code],
+                            env={**os.environ, "PYTHONPATH": path})
+
+
+POD_NETNS = f"tfprofd-gpu-check-{os.getpid()}"
+HOST_SIDE, POD_SIDE = "10.254.214.1", "10.254.214.2"  # a /30 of the veth pair
+
+
+def pod_network() -> str | None:
+    """A network namespace for the jobs (``--pods``), joined to the host's by a veth pair, as pods on a pod
+    network are: their reports come from an address that is not the host's, so the agent reads no socket table
+    for them. None, saying why, where it cannot be made (it needs root and ip(8))."""
+    link = f"tfg{os.getpid()}"
+    for command in (f"ip netns add {POD_NETNS}", f"ip link add {link} type veth peer name {link}p",
+                    f"ip link set {link}p netns {POD_NETNS}", f"ip addr add {HOST_SIDE}/30 dev {link}",
+                    f"ip link set {link} up", f"ip -n {POD_NETNS} addr add {POD_SIDE}/30 dev {link}p",
+                    f"ip -n {POD_NETNS} link set {link}p up", f"ip -n {POD_NETNS} link set lo up"):
+        try:
+            done = subprocess.run(command.split(), capture_output=True, text=True)
+        except OSError as exc:
+            print(f"--pods: cannot run ip(8): {exc}", file=sys.stderr)
+            return None
+        if done.returncode != 0:
+            print(f"--pods: `{command}` failed: {done.stderr.strip()}", file=sys.stderr)
+            subprocess.run(["ip", "netns", "del", POD_NETNS], capture_output=True)
+            return None
+    return POD_NETNS
 
 
 def cpu_seconds(pid: int) -> float:
@@ -180,18 +208,26 @@ def jobs_cpu(agent: subprocess.Popen, port: int, jobs: int, window: float, over:
 
 
 def run(seconds: float, out: Path | None, site: Path = SITE, workload: float = 0, jobs: int = 0,
-        unix: bool = False) -> int:
+        unix: bool = False, pods: bool = False) -> int:
     if not (site / "tfprofd").is_dir():
         print(f"{site} is missing: run `python3 bench/gpu_check.py build` where pip can reach an index",
               file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="tfprofd-gpu-check-") as tmp:  # the agent's state and log, then gone
-        return run_in(Path(tmp), seconds, out, site, workload, jobs, unix)
+        netns = pod_network() if pods else None
+        if pods and netns is None:
+            return 2
+        try:
+            return run_in(Path(tmp), seconds, out, site, workload, jobs, unix, netns)
+        finally:
+            if netns is not None:
+                subprocess.run(["ip", "netns", "del", netns], check=False)  # the veth pair goes with it
 
 
-def run_in(tmp: Path, seconds: float, out: Path | None, site: Path, workload: float, jobs: int, unix: bool) -> int:
+def run_in(tmp: Path, seconds: float, out: Path | None, site: Path, workload: float, jobs: int, unix: bool,
+           netns: str | None = None) -> int:
     port, api, udp = free_ports(socket.SOCK_STREAM, socket.SOCK_STREAM, socket.SOCK_DGRAM)
-    hook = f"127.0.0.1:{udp}"
+    hook = f"{HOST_SIDE if netns else '127.0.0.1'}:{udp}"
     args = [sys.executable, "-S", "-m", "tfprofd.daemon", "run", "--listen", f"127.0.0.1:{port}",
             "--api.listen", f"127.0.0.1:{api}", "--hook.listen", hook,
             "--hook.socket", str(tmp / "hook.sock"), "--state-dir", str(tmp / "state"), "--interval", "1s"]
@@ -204,8 +240,9 @@ def run_in(tmp: Path, seconds: float, out: Path | None, site: Path, workload: fl
         try:
             if not serving(agent, port, log_path):
                 return 1
-            many = start_jobs(site, f"unix:{tmp / 'hook.sock'}" if unix else hook, jobs) if jobs else None
-            over = f"the Unix socket (net.unix.max_dgram_qlen {queue_length()})" if unix else "UDP"
+            many = start_jobs(site, f"unix:{tmp / 'hook.sock'}" if unix else hook, jobs, netns) if jobs else None
+            over = (f"the Unix socket (net.unix.max_dgram_qlen {queue_length()})" if unix
+                    else "UDP from a network namespace of their own (pods)" if netns else "UDP")
             measured = jobs_cpu(agent, port, jobs, min(seconds, 20), over) if many is not None else ""
             job = None
             if workload and torch_cuda():
@@ -325,13 +362,18 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=0,
                         help="simulated jobs reporting over UDP during the run; prints the agent's CPU")
     parser.add_argument("--unix", action="store_true", help="the simulated jobs report over the hook's Unix socket")
+    parser.add_argument("--pods", action="store_true",
+                        help="the simulated jobs report over UDP from a network namespace of their own, as pods do "
+                             "(root and ip(8))")
     options = parser.parse_args()
     if options.jobs < 0:
         parser.error(f"--jobs must be 0 or more, not {options.jobs}")
-    if options.unix and not options.jobs:
-        parser.error("--unix says how the --jobs report: give --jobs N too")
+    if (options.unix or options.pods) and not options.jobs:
+        parser.error("--unix and --pods say how the --jobs report: give --jobs N too")
+    if options.unix and options.pods:
+        parser.error("--unix and --pods are two ways to report: give one")
     return build() if options.step == "build" else run(options.seconds, options.out, options.site, options.workload,
-                                                        options.jobs, options.unix)
+                                                        options.jobs, options.unix, options.pods)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ libnvidia-ml.so.1, as on a host without the driver; with it, the simulated libra
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,18 +62,27 @@ def test_with_a_gpu_gpu_check_passes_and_names_it(tmp_path, fakenvml):
     assert "GPU 0: NVIDIA H100 80GB HBM3" in result.stdout and "FAILED" not in result.stderr, result
 
 
-@pytest.mark.parametrize("over", ["UDP", "the Unix socket"])
-def test_with_jobs_gpu_check_says_what_they_cost_the_agent(tmp_path, fakenvml, over):
+PODS_SKIP = "network namespaces need root and ip(8)"
+
+
+@pytest.mark.parametrize(("over", "flag"), [("UDP", None), ("the Unix socket", "--unix"),
+                                            ("UDP from a network namespace of their own (pods)", "--pods")])
+def test_with_jobs_gpu_check_says_what_they_cost_the_agent(tmp_path, fakenvml, over, flag):
+    if flag == "--pods" and (os.geteuid() != 0 or not shutil.which("ip")):
+        pytest.skip(PODS_SKIP)
     state = GpuState(tmp_path / "nvml.json", [gpu(0)])
-    result = _gpu_check(tmp_path, state.env(), "--workload", "0", "--jobs", "3",
-                        *(["--unix"] if over != "UDP" else []))
+    result = _gpu_check(tmp_path, state.env(), "--workload", "0", "--jobs", "3", *([flag] if flag else []))
     assert result.returncode == 0, result
     assert f"3 jobs reporting at their own phases over {over}" in result.stdout, result.stdout
     assert "unscraped: the agent's CPU" in result.stdout and "scraped every second by this check" in result.stdout
+    if flag == "--pods":
+        assert "tfprofd-gpu-check-" not in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                          text=True).stdout  # the namespace went with the check
 
 
 @pytest.mark.parametrize(("args", "error"), [(["--jobs", "-3"], "--jobs must be 0 or more, not -3"),
-                                             (["--unix"], "give --jobs N too")])
+                                             (["--unix"], "give --jobs N too"), (["--pods"], "give --jobs N too"),
+                                             (["--jobs", "2", "--unix", "--pods"], "give one")])
 def test_gpu_check_refuses_jobs_it_cannot_run(tmp_path, args, error):
     result = _gpu_check(tmp_path, {}, *args)
     assert result.returncode == 2 and error in result.stderr, result
