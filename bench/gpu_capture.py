@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from gpu_check import ROOT, SITE, free_port, serving
+from gpu_check import ROOT, SITE, free_ports, serving
 
 WHEELS = ROOT / ".gpu-check" / "wheels"
 PLATFORMS = ("manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
@@ -126,10 +126,11 @@ def run(seconds: float, duration_ms: int, out: Path | None, python: str) -> int:
 
 
 def run_in(tmp: Path, seconds: float, duration_ms: int, out: Path | None, python: str) -> int:
-    port, api_port = free_port(), free_port()
+    port, api_port, hook_port, profiler_port = free_ports(socket.SOCK_STREAM, socket.SOCK_STREAM, socket.SOCK_DGRAM,
+                                                         socket.SOCK_STREAM)
     state = tmp / "state"
     args = [sys.executable, "-m", "tfprofd.daemon", "run", "--listen", f"127.0.0.1:{port}",
-            "--api.listen", f"127.0.0.1:{api_port}", "--hook.listen", f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}",
+            "--api.listen", f"127.0.0.1:{api_port}", "--hook.listen", f"127.0.0.1:{hook_port}",
             "--hook.socket", str(tmp / "hook.sock"), "--state-dir", str(state), "--interval", "1s",
             "--captures.baseline", "false"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SITE), *xprof_site(tmp)]), "PYTHONUNBUFFERED": "1"}
@@ -145,7 +146,7 @@ def run_in(tmp: Path, seconds: float, duration_ms: int, out: Path | None, python
             token = (state / "api.token").read_text().strip()
             job = subprocess.Popen([python, str(ROOT / "bench" / "gpu_jax_job.py"), "--addr",
                                     f"unix:{tmp / 'hook.sock'}", "--site", str(SITE), "--seconds", str(seconds),
-                                    "--profiler-port", str(free_port())], stdout=subprocess.PIPE, text=True)
+                                    "--profiler-port", str(profiler_port)], stdout=subprocess.PIPE, text=True)
             for want in ("compute", "input"):
                 line = job.stdout.readline()
                 if not line:

@@ -86,3 +86,15 @@ def test_with_jobs_gpu_check_says_what_they_cost_the_agent(tmp_path, fakenvml, o
 def test_gpu_check_refuses_jobs_it_cannot_run(tmp_path, args, error):
     result = _gpu_check(tmp_path, {}, *args)
     assert result.returncode == 2 and error in result.stderr, result
+
+
+def test_gpu_capture_runs_and_says_what_this_machine_lacks():
+    """``bench/gpu_capture.py``, make gpu-check's second half, uses gpu_check's helpers: a helper renamed there broke
+    its import, and only the GPU machine found it. Here (no JAX for this Python, and the site built or not) it
+    runs and says what it skips."""
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_capture.py"), "run", "--python", sys.executable],
+                            capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in result.stderr, result.stderr
+    missing = "is missing: run `python3 bench/gpu_check.py build`"
+    assert (result.returncode, missing in result.stderr) == (2, True) or (
+        result.returncode == 0 and f"no JAX for {sys.executable} on this machine" in result.stderr), result
