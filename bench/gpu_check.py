@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -148,6 +149,7 @@ def pod_network() -> str | None:
             return None
         if done.returncode != 0:
             print(f"--pods: `{command}` failed: {done.stderr.strip()}", file=sys.stderr)
+            subprocess.run(["ip", "link", "del", link], capture_output=True)  # where both ends are still here
             subprocess.run(["ip", "netns", "del", POD_NETNS], capture_output=True)
             return None
     return POD_NETNS
@@ -214,6 +216,8 @@ def run(seconds: float, out: Path | None, site: Path = SITE, workload: float = 0
               file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="tfprofd-gpu-check-") as tmp:  # the agent's state and log, then gone
+        # a stop (timeout(1)'s SIGTERM) ends the check through its finally clauses: no namespace or pair is left
+        signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
         netns = pod_network() if pods else None
         if pods and netns is None:
             return 2

@@ -139,7 +139,7 @@ class JobRecord:
         values["straggler"] = Straggler(**values["straggler"]) if values.get("straggler") else None
         values["comparison"] = WorkerComparison.from_dict(values["comparison"]) if values.get("comparison") else None
         record = cls(**values)
-        if not ID.match(record.id) or record.scope != "job":
+        if not ID.fullmatch(record.id) or record.scope != "job":
             raise ValueError(f"{record.id!r} is not a job record")
         return record
 
@@ -471,7 +471,7 @@ class JobCaptures:
                 else str(exc)
         if status == 404 and answer.get("code") == "no_training_job" and not workers_seen:
             return None, None
-        if status != 202 or not isinstance(answer.get("id"), str) or not ID.match(answer["id"]):
+        if status != 202 or not isinstance(answer.get("id"), str) or not ID.fullmatch(answer["id"]):
             return None, f"refused the capture ({status}): {outbound.said(answer)}"
         return answer["id"], None
 

@@ -95,7 +95,7 @@ class CaptureRecord:
             if isinstance(value, bool) or not isinstance(value, types):
                 raise ValueError(f"field {name!r} has the wrong type ({type(value).__name__})")
             values[name] = value
-        if not ID.match(values["id"]):
+        if not ID.fullmatch(values["id"]):
             raise ValueError(f"id {values['id']!r} is not a capture id")
         if values["trigger"] not in TRIGGERS or values["status"] not in (*ACTIVE, *FINISHED):
             raise ValueError(f"unknown trigger or status ({values['trigger']!r}, {values['status']!r})")
@@ -172,7 +172,7 @@ class RecordStore:
         self._lock = threading.Lock()
 
     def capture_dir(self, capture_id: str) -> Path:
-        if not ID.match(capture_id):
+        if not ID.fullmatch(capture_id):
             raise ValueError(f"{capture_id!r} is not a capture id")
         return self.captures_dir / capture_id
 

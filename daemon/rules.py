@@ -34,7 +34,7 @@ Catalog = Mapping[str, tuple[str, tuple[str, ...]]]
 Labels = tuple[tuple[str, str], ...]
 
 STATE_LABELS = ("gpu", "gpu_instance_id", "training_job", "worker", "device")
-_AGGREGATE = re.compile(r"^(last|mean|min|max|increase|p([1-9]|[1-9][0-9]))$")
+_AGGREGATE = re.compile(r"last|mean|min|max|increase|p([1-9]|[1-9][0-9])")  # whole: "p50\n" is none
 DEFAULT_RULES = Path(__file__).with_name("default_rules.yaml")
 # Sample timestamps jitter by a few ms; without slack a condition held for exactly `for` would wait one
 # more sampling interval.
@@ -118,7 +118,7 @@ def _condition(items: Items, catalog: Catalog, where: Callable[[int], str], key:
                                 f"expected one of {', '.join(catalog)}, got {shown(signal)}"))
     values["signal"] = signal
     aggregate, line, _ = items.get("aggregate", ("last", line0, None))
-    if not isinstance(aggregate, str) or not _AGGREGATE.match(aggregate):
+    if not isinstance(aggregate, str) or not _AGGREGATE.fullmatch(aggregate):
         problems.append(Problem(where(line), f"{key}.aggregate",
                                 f"expected last, mean, min, max, increase or pNN, got {shown(aggregate)}"))
     values["aggregate"] = aggregate

@@ -1346,14 +1346,14 @@ class TrainingCollector(Collector):
         freeze what this sample serves: metrics, rule signals and the job registry's facts all describe
         the same moment (a job visible in /metrics is one a capture can target)."""
         now = self.clock.monotonic()
-        quiet = now - self.settings.down_after
         with self._lock:
             candidates = [(series, key, p) for series, job in self.jobs.items() for key, p in job.processes.items()]
         procfs = str(self.env.paths.procfs)
         # outside the lock; a UDP sender's pid is not one of this namespace (no lookup)
         exited = [c for c in candidates if c[1][0] == "local" and self._pid_gone(c[2], procfs)]
         with self._lock:
-            gone = {(series, key) for series, key, p in candidates if p.last_seen < quiet}
+            down_after = self.settings.down_after
+            gone = {(series, key) for series, key, p in candidates if now - p.last_seen > down_after}
             # A process that exited is retired a sample later: its last report may still wait in the Unix
             # socket's queue, and retired first, that report came as a new process whose profiler could no
             # longer be checked (refused: untrusted_profiler, and the process's last counts lost).

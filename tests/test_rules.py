@@ -55,6 +55,18 @@ def test_rule_errors_name_file_line_and_key(tmp_path):
     assert f"{path}:13: rules[2].window: aggregate p95 needs a window" in found
 
 
+def test_an_aggregate_with_a_trailing_newline_is_refused_naming_file_line_and_key(tmp_path):
+    """``$`` matches before a final newline: "p50\\n" passed the check, and the rules found no such aggregate at
+    every sample after (a KeyError where the source's rules stopped)."""
+    path = tmp_path / "rules.yaml"
+    path.write_text('rules:\n  - name: spread\n    signal: gpu_utilization\n    aggregate: "p50\\n"\n'
+                    '    window: 1m\n    above: 0.5\n')
+    with pytest.raises(config.ConfigError) as info:
+        config.load(str(path), env={})
+    assert [str(p) for p in info.value.problems] == [
+        f"{path}:4: rules[0].aggregate: expected last, mean, min, max, increase or pNN, got 'p50\\n'"]
+
+
 @pytest.mark.parametrize(("how", "expected"), [("last", 5), ("mean", 3), ("min", 1), ("max", 5), ("increase", 4),
                                                ("p50", 3), ("p95", 5), ("p5", 1)])
 def test_aggregates(how, expected):

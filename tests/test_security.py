@@ -309,6 +309,17 @@ def test_a_group_member_who_swaps_captures_for_a_link_redirects_nothing(shared_d
         agent.stop()
 
 
+@pytest.mark.parametrize("capture_id", ["20261121T101010Z-abcdef\n", "../20261121T101010Z-abcdef", ""])
+def test_a_capture_id_is_the_whole_name_or_none(tmp_path, capture_id):
+    """A capture's id names its directory: an id followed by a newline (``$`` matched before it) is not one."""
+    from tfprofd.daemon.records import RecordStore
+
+    store = RecordStore(tmp_path)
+    with pytest.raises(ValueError, match="is not a capture id"):
+        store.capture_dir(capture_id)
+    assert store.capture_dir("20261121T101010Z-abcdef").name == "20261121T101010Z-abcdef"
+
+
 def _store_with_a_record(state: Path):
     from tfprofd.daemon.records import CaptureRecord, RecordStore
 
