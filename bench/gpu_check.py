@@ -133,26 +133,28 @@ POD_NETNS = f"tfprofd-gpu-check-{os.getpid()}"
 HOST_SIDE, POD_SIDE = "10.254.214.1", "10.254.214.2"  # a /30 of the veth pair
 
 
-def pod_network() -> str | None:
-    """A network namespace for the jobs (``--pods``), joined to the host's by a veth pair, as pods on a pod
-    network are: their reports come from an address that is not the host's, so the agent reads no socket table
-    for them. None, saying why, where it cannot be made (it needs root and ip(8))."""
-    link = f"tfg{os.getpid()}"
-    for command in (f"ip netns add {POD_NETNS}", f"ip link add {link} type veth peer name {link}p",
-                    f"ip link set {link}p netns {POD_NETNS}", f"ip addr add {HOST_SIDE}/30 dev {link}",
-                    f"ip link set {link} up", f"ip -n {POD_NETNS} addr add {POD_SIDE}/30 dev {link}p",
-                    f"ip -n {POD_NETNS} link set {link}p up", f"ip -n {POD_NETNS} link set lo up"):
+def pod_network(netns: str, host_side: str, pod_side: str) -> bool:
+    """A network namespace ``netns`` for simulated jobs, joined to the host's by a veth pair whose ends get
+    ``host_side`` and ``pod_side`` (a /30), as pods on a pod network are: their reports come from an address that
+    is not the host's, so the agent reads no socket table for them (``--pods`` here and in ``versus.py``).
+    ``ip netns del`` removes it and the pair. False, saying why and leaving neither behind, where it cannot be
+    made (it needs root and ip(8))."""
+    link = f"tfp{os.getpid()}"
+    for command in (f"ip netns add {netns}", f"ip link add {link} type veth peer name {link}p",
+                    f"ip link set {link}p netns {netns}", f"ip addr add {host_side}/30 dev {link}",
+                    f"ip link set {link} up", f"ip -n {netns} addr add {pod_side}/30 dev {link}p",
+                    f"ip -n {netns} link set {link}p up", f"ip -n {netns} link set lo up"):
         try:
             done = subprocess.run(command.split(), capture_output=True, text=True)
         except OSError as exc:
             print(f"--pods: cannot run ip(8): {exc}", file=sys.stderr)
-            return None
+            return False
         if done.returncode != 0:
             print(f"--pods: `{command}` failed: {done.stderr.strip()}", file=sys.stderr)
             subprocess.run(["ip", "link", "del", link], capture_output=True)  # where both ends are still here
-            subprocess.run(["ip", "netns", "del", POD_NETNS], capture_output=True)
-            return None
-    return POD_NETNS
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+            return False
+    return True
 
 
 def cpu_seconds(pid: int) -> float:
@@ -218,9 +220,9 @@ def run(seconds: float, out: Path | None, site: Path = SITE, workload: float = 0
     with tempfile.TemporaryDirectory(prefix="tfprofd-gpu-check-") as tmp:  # the agent's state and log, then gone
         # a stop (timeout(1)'s SIGTERM) ends the check through its finally clauses: no namespace or pair is left
         signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
-        netns = pod_network() if pods else None
-        if pods and netns is None:
+        if pods and not pod_network(POD_NETNS, HOST_SIDE, POD_SIDE):
             return 2
+        netns = POD_NETNS if pods else None
         try:
             return run_in(Path(tmp), seconds, out, site, workload, jobs, unix, netns)
         finally:

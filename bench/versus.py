@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpu_check import pod_network
 from scrape import report_forever, wait_jobs
 
 from common import ROOT, cpu_seconds, rss_bytes, start_agent, stop
@@ -67,16 +68,6 @@ def base_package(tmp: Path) -> Path | None:
     return package.parent
 
 
-def pod_network() -> None:
-    """A network namespace for the jobs, joined to the host's by a veth pair (``--pods``)."""
-    link = f"tfb{os.getpid()}"
-    for command in (f"ip netns add {NETNS}", f"ip link add {link} type veth peer name {link}p",
-                    f"ip link set {link}p netns {NETNS}", f"ip addr add {HOST_SIDE}/30 dev {link}",
-                    f"ip link set {link} up", f"ip -n {NETNS} addr add {POD_SIDE}/30 dev {link}p",
-                    f"ip -n {NETNS} link set {link}p up", f"ip -n {NETNS} link set lo up"):
-        subprocess.run(command.split(), check=True)
-
-
 def report_from_pods(netns: str, addr: str, jobs: int, stop_event: object, spread: bool) -> None:
     """``report_forever`` from the pods' network namespace (``--pods``)."""
     with open(f"/run/netns/{netns}") as namespace:
@@ -96,8 +87,8 @@ def main() -> None:
         here = f"{ROOT / 'bench'}:{ROOT / 'tests'}"
         agents, senders = {}, []
         try:
-            if PODS:
-                pod_network()
+            if PODS and not pod_network(NETNS, HOST_SIDE, POD_SIDE):
+                raise SystemExit(2)
             for name, path in (("base", f"{base}:{here}" if base else here), ("this", here)):
                 directory = Path(tmp) / name
                 directory.mkdir()

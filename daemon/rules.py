@@ -347,7 +347,7 @@ def holds(condition: Condition, history: History, now: float) -> tuple[bool, flo
         return False, None
     start = now - condition.window
     recent, end = history.since(start)
-    value = _AGGREGATES[condition.aggregate](recent or [history.last()])
+    value = aggregate(recent or [history.last()], condition.aggregate)
     if condition.below is not None:
         return value < condition.below, value
     if condition.above is not None:
