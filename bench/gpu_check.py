@@ -139,7 +139,7 @@ def pod_network(netns: str, host_side: str, pod_side: str) -> bool:
     is not the host's, so the agent reads no socket table for them (``--pods`` here and in ``versus.py``).
     ``ip netns del`` removes it and the pair. False, saying why and leaving neither behind, where it cannot be
     made (it needs root and ip(8))."""
-    link = f"tfp{os.getpid()}"
+    link = f"tfp{os.getpid()}"  # remove_pod_network knows it by this name
     for command in (f"ip netns add {netns}", f"ip link add {link} type veth peer name {link}p",
                     f"ip link set {link}p netns {netns}", f"ip addr add {host_side}/30 dev {link}",
                     f"ip link set {link} up", f"ip -n {netns} addr add {pod_side}/30 dev {link}p",
@@ -151,10 +151,16 @@ def pod_network(netns: str, host_side: str, pod_side: str) -> bool:
             return False
         if done.returncode != 0:
             print(f"--pods: `{command}` failed: {done.stderr.strip()}", file=sys.stderr)
-            subprocess.run(["ip", "link", "del", link], capture_output=True)  # where both ends are still here
-            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+            remove_pod_network(netns)
             return False
     return True
+
+
+def remove_pod_network(netns: str) -> None:
+    """Remove what ``pod_network`` made, all of it or a part (a failed step, a signal between two)."""
+    with contextlib.suppress(OSError):  # no ip(8): nothing was made
+        subprocess.run(["ip", "link", "del", f"tfp{os.getpid()}"], capture_output=True)  # both ends still here
+        subprocess.run(["ip", "netns", "del", netns], capture_output=True)  # the pair goes with it
 
 
 def cpu_seconds(pid: int) -> float:
@@ -220,14 +226,13 @@ def run(seconds: float, out: Path | None, site: Path = SITE, workload: float = 0
     with tempfile.TemporaryDirectory(prefix="tfprofd-gpu-check-") as tmp:  # the agent's state and log, then gone
         # a stop (timeout(1)'s SIGTERM) ends the check through its finally clauses: no namespace or pair is left
         signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
-        if pods and not pod_network(POD_NETNS, HOST_SIDE, POD_SIDE):
-            return 2
-        netns = POD_NETNS if pods else None
         try:
-            return run_in(Path(tmp), seconds, out, site, workload, jobs, unix, netns)
+            if pods and not pod_network(POD_NETNS, HOST_SIDE, POD_SIDE):
+                return 2
+            return run_in(Path(tmp), seconds, out, site, workload, jobs, unix, POD_NETNS if pods else None)
         finally:
-            if netns is not None:
-                subprocess.run(["ip", "netns", "del", netns], check=False)  # the veth pair goes with it
+            if pods:
+                remove_pod_network(POD_NETNS)
 
 
 def run_in(tmp: Path, seconds: float, out: Path | None, site: Path, workload: float, jobs: int, unix: bool,

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_check import pod_network
+from gpu_check import pod_network, remove_pod_network
 from scrape import report_forever, wait_jobs
 
 from common import ROOT, cpu_seconds, rss_bytes, start_agent, stop
@@ -127,7 +127,7 @@ def main() -> None:
             for agent in agents.values():
                 stop(agent)
             if PODS:
-                subprocess.run(["ip", "netns", "del", NETNS], check=False)  # the veth pair goes with it
+                remove_pod_network(NETNS)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,16 @@ def test_with_jobs_gpu_check_says_what_they_cost_the_agent(tmp_path, fakenvml, o
                                                           text=True).stdout  # the namespace went with the check
 
 
+def test_pods_where_no_network_namespace_can_be_made_say_why_and_check_nothing(tmp_path, fakenvml):
+    """``--pods`` needs ip(8) (the GPU machines lent have none): without it the check says so, starts no agent and
+    exits 2."""
+    state = GpuState(tmp_path / "nvml.json", [gpu(0)])
+    result = _gpu_check(tmp_path, {**state.env(), "PATH": str(tmp_path / "no-tools")}, "--workload", "0",
+                        "--jobs", "3", "--pods")
+    assert result.returncode == 2 and "--pods: cannot run ip(8)" in result.stderr, result
+    assert "jobs reporting" not in result.stdout, result.stdout
+
+
 @pytest.mark.parametrize(("args", "error"), [(["--jobs", "-3"], "--jobs must be 0 or more, not -3"),
                                              (["--unix"], "give --jobs N too"), (["--pods"], "give --jobs N too"),
                                              (["--jobs", "2", "--unix", "--pods"], "give one")])
