@@ -217,48 +217,118 @@ def aggregate(values: Sequence[float], how: str) -> float:
     return _AGGREGATES[how](values)
 
 
+class Axis:
+    """The sample times of a signal, oldest first, shared by its series: the rules engine gives every series of a
+    signal a value at each of its samples (a series that misses one is gone), so one time axis serves them all.
+    A window is found once a sample for all of them, and 1,000 jobs' series no longer each keep and search an
+    array of times of their own: ~30 cache misses a series and sample, 40% of the rules' CPU (issue 24), and
+    5.6 kB a series. Indices are global: the n-th time this axis took is index n, whatever was dropped since."""
+
+    __slots__ = ("_found", "_start", "dropped", "times")
+
+    def __init__(self) -> None:
+        self.times = array("d")
+        self.dropped = 0  # times deleted from the front of the array so far: a global index minus it is an offset
+        self._start = 0  # times before this offset are dropped (deleted once they are half the array)
+        self._found: dict[float, int] = {}  # index(t) since the last change: every series asks for the same t
+
+    @property
+    def first(self) -> int:
+        """The global index of the oldest time kept."""
+        return self.dropped + self._start
+
+    @property
+    def end(self) -> int:
+        """The global index the next time will have."""
+        return self.dropped + len(self.times)
+
+    def append(self, t: float) -> None:
+        """Add a time no older than the last one."""
+        self.times.append(t)
+        if self._found:
+            self._found.clear()
+
+    def drop_before(self, t: float) -> bool:
+        """Drop the times before ``t``; True where the array was compacted (its series may compact theirs)."""
+        times, start = self.times, self._start
+        if start == len(times) or times[start] >= t:
+            return False  # nothing to drop (a signal younger than what the rules keep: no bisection each sample)
+        if start + 1 < len(times) and times[start + 1] >= t:
+            start += 1  # one time (a signal sampled as often as its window slides: no bisection either)
+        else:
+            start = bisect_left(times, t, start)
+        if self._found:
+            self._found.clear()
+        if start > 64 and 2 * start > len(times):
+            del times[:start]
+            self.dropped += start
+            self._start = 0
+            return True
+        self._start = start
+        return False
+
+    def index(self, t: float) -> int:
+        """The global index of the first time kept at ``t`` or later (``end`` where there is none)."""
+        found = self._found.get(t)
+        if found is None:
+            found = self._found[t] = bisect_left(self.times, t, self._start) + self.dropped
+        return found
+
+
 class History:
-    """One series' samples (monotonic time, value), oldest first, in two arrays of doubles: 16 bytes a
-    sample where a deque of tuples took about 90 (a thousand jobs' two throughput series over the 10 min
-    baseline window: 110 MB, issue 24), and a window is found by bisection instead of a scan."""
+    """One series' samples (monotonic time, value), oldest first: its values in an array of doubles (8 bytes a
+    sample where a deque of tuples took about 90: a thousand jobs' two throughput series over the 10 min
+    baseline window took 110 MB, issue 24), its times on an ``Axis``: its own, or its signal's, shared with
+    the signal's other series (``Engine``). A window is found by bisection of the times, not a scan."""
 
-    __slots__ = ("_dropped", "_sorted", "_start", "_times", "_values")
+    __slots__ = ("_axis", "_base", "_sorted", "_values")
 
-    def __init__(self, samples: Iterable[tuple[float, float]] = ()):
-        self._times = array("d")
+    def __init__(self, samples: Iterable[tuple[float, float]] = (), axis: Axis | None = None):
+        """A history on ``axis`` takes its values from the axis's latest time on (``push``), one at each time the
+        axis takes; one without takes times and values alike (``append``)."""
+        self._axis = Axis() if axis is None else axis
         self._values = array("d")
-        self._start = 0  # samples before it are dropped (compacted once they are half the arrays)
-        self._dropped = 0  # samples deleted from the front of the arrays so far: an index plus it names a sample
-        # a sliding window's values kept sorted, by the caller's key: (first sample, end sample, values)
+        self._base = self._axis.end if axis is None else axis.end - 1  # the global index of ``_values[0]``
+        # a sliding window's values kept sorted, by the caller's key: (first sample, end sample, values), global
         self._sorted: dict[Hashable, tuple[int, int, array]] | None = None
         for t, v in samples:
             self.append(t, v)
 
     def append(self, t: float, value: float) -> None:
-        """Add a sample no older than the last one."""
-        self._times.append(t)
+        """Add a sample no older than the last one (a history with an axis of its own)."""
+        self._axis.append(t)
+        self._values.append(value)
+
+    def push(self, value: float) -> None:
+        """The value at the time its shared axis took last."""
         self._values.append(value)
 
     def drop_before(self, t: float) -> None:
-        times, start = self._times, self._start
-        if start == len(times) or times[start] >= t:
-            return  # nothing to drop (a series younger than what the rules keep: no bisection each sample)
-        if start + 1 < len(times) and times[start + 1] >= t:
-            start += 1  # one sample (a series sampled as often as its window slides: no bisection either)
-        else:
-            start = bisect_left(times, t, start)
-        if start > 64 and 2 * start > len(self._times):
-            del self._times[:start]
-            del self._values[:start]
-            self._dropped += start
-            start = 0
-        self._start = start
+        if self._axis.drop_before(t):
+            self.compact()
+
+    def compact(self) -> None:
+        """Delete the values whose times the axis dropped (half the array or more: not at every sample)."""
+        skip = self._axis.first - self._base
+        if skip > 0:
+            del self._values[:skip]
+            self._base += skip
+
+    def _first(self) -> int:
+        """The global index of the oldest sample kept."""
+        first = self._axis.first
+        return first if first > self._base else self._base
+
+    def _index(self, t: float, least: int) -> int:
+        found = self._axis.index(t)
+        return found if found > least else least
 
     def __len__(self) -> int:
-        return len(self._times) - self._start
+        return self._base + len(self._values) - self._first()
 
     def __iter__(self) -> Iterator[tuple[float, float]]:
-        return zip(self._times[self._start:], self._values[self._start:], strict=True)
+        first, axis = self._first(), self._axis
+        return zip(axis.times[first - axis.dropped:], self._values[first - self._base:], strict=True)
 
     def last(self) -> float:
         return self._values[-1]
@@ -267,15 +337,15 @@ class History:
         """The values of the samples at ``start`` <= t < ``end``, as an array: not a list, which made a float object
         of each value (the rules aggregate a window of each of 1,000 jobs' series every sample: 12% of their CPU,
         issue 24)."""
-        first = bisect_left(self._times, start, self._start)
-        last = len(self._times) if end == math.inf else bisect_left(self._times, end, first)
-        return self._values[first:last]
+        first = self._index(start, self._first())
+        last = self._base + len(self._values) if end == math.inf else self._index(end, first)
+        return self._values[first - self._base:last - self._base]
 
     def since(self, start: float) -> tuple[array, int]:
         """``between(start)``, and where the window begins: the baseline before it ends there (``median_bounds``'s
         ``last``), found once for both."""
-        first = bisect_left(self._times, start, self._start)
-        return self._values[first:], first
+        first = self._index(start, self._first())
+        return self._values[first - self._base:], first
 
     def forget_sorted(self) -> None:
         """Drop the windows kept sorted (the rules changed: a window no rule uses any more must not stay)."""
@@ -286,24 +356,24 @@ class History:
         ``key`` is kept sorted from one call to the next: as it slides, the samples that left it are taken
         out and the new ones put in (a 10-minute baseline of 1,000 jobs' series sorted afresh every sample
         cost ~9% of a core, issue 24). Values are finite (Engine.observe keeps no NaN)."""
-        first = bisect_left(self._times, start, self._start)
-        last = bisect_left(self._times, end, first)
+        first = self._index(start, self._first())
+        last = self._index(end, first)
         if last - first < max(least, 1):
             return None
-        a, b = first + self._dropped, last + self._dropped
+        base, values = self._base, self._values
         if self._sorted is None:
             self._sorted = {}
         kept = self._sorted.get(key)
-        if (kept is None or not self._dropped <= kept[0] <= a <= kept[1] <= b
-                or a - kept[0] + b - kept[1] > RESORT_AFTER):
-            ordered = array("d", sorted(self._values[first:last]))
+        if (kept is None or not base <= kept[0] <= first <= kept[1] <= last
+                or first - kept[0] + last - kept[1] > RESORT_AFTER):
+            ordered = array("d", sorted(values[first - base:last - base]))
         else:
             ordered = kept[2]
-            for value in self._values[kept[0] - self._dropped:first]:
+            for value in values[kept[0] - base:first - base]:
                 del ordered[bisect_left(ordered, value)]
-            for value in self._values[kept[1] - self._dropped:last]:
+            for value in values[kept[1] - base:last - base]:
                 insort(ordered, value)
-        self._sorted[key] = (a, b, ordered)
+        self._sorted[key] = (first, last, ordered)
         middle = len(ordered) // 2  # as statistics.median takes it (see ``mean``)
         return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
@@ -316,9 +386,9 @@ class History:
         the median while nothing changed; -inf or inf past the kept values). ``Engine`` rules need the median
         itself only where the bounds cannot decide a comparison: most samples of a steady job. ``last``: the index
         of the first sample at ``end`` or later, where known (``since``)."""
-        first = bisect_left(self._times, start, self._start)
+        first = self._index(start, self._first())
         if last is None:
-            last = bisect_left(self._times, end, first)
+            last = self._index(end, first)
         count = last - first
         if count < least or not count:
             return None
@@ -326,9 +396,8 @@ class History:
         if kept is None:
             return -math.inf, math.inf
         k0, k1, ordered = kept
-        a, b = first + self._dropped, last + self._dropped
-        overlap = (b if b < k1 else k1) - (a if a > k0 else k0)  # samples in both windows (min and max calls
-        if overlap < 0:                                          # cost a tenth of this method)
+        overlap = (last if last < k1 else k1) - (first if first > k0 else k0)  # samples in both windows (min and
+        if overlap < 0:                                                        # max calls cost a tenth of this)
             overlap = 0
         entered, left = count - overlap, k1 - k0 - overlap
         # the median's ranks moved down by ``entered`` and up by ``left``, taken as median_between takes it
@@ -369,6 +438,18 @@ def holds(condition: Condition, history: History, now: float) -> tuple[bool, flo
     return (value < ratio * middle) if below else (value > ratio * middle), value
 
 
+class _Series(History):
+    """One series of a signal: its history, and the state of each rule whose primary signal it is (by rule name)."""
+
+    __slots__ = ("key", "seen", "states")
+
+    def __init__(self, key: Labels, axis: Axis):
+        super().__init__(axis=axis)
+        self.key = key
+        self.seen = 0  # the Engine's sample that last brought a value of it
+        self.states: dict[str, _State] = {}
+
+
 PENDING, FIRING, RESOLVED = "pending", "firing", "resolved"
 CLEARED = "cleared"  # a pending rule's condition stopped holding before the rule fired
 
@@ -395,10 +476,10 @@ class Engine:
 
     rules: list[Rule]
     catalog: Catalog
-    # signal -> series -> history: a rule reads its own signal's series, and a job's series of another
-    # signal by one lookup, so evaluating n series costs O(n), not O(n²) (1,000 jobs, issue 24)
-    _history: dict[str, dict[Labels, History]] = field(default_factory=dict)
-    _states: dict[str, dict[Labels, _State]] = field(default_factory=dict)  # rule -> series -> its state
+    # signal -> series -> its history and rule states: a rule reads its own signal's series, and a job's series of
+    # another signal by one lookup, so evaluating n series costs O(n), not O(n²) (1,000 jobs, issue 24)
+    _series: dict[str, dict[Labels, _Series]] = field(default_factory=dict)
+    _axes: dict[str, Axis] = field(default_factory=dict)  # signal -> the times of its samples (see Axis)
     _firings: dict[str, int] = field(default_factory=dict)
     _firing_jobs: dict[str, int] = field(default_factory=dict)  # training_job -> its active states
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -406,10 +487,11 @@ class Engine:
     # rule_active family (a series per rule and job: 3,000 with 1,000 jobs) again only then
     _version: int = 0
     _collected: tuple[int, list[Metric]] | None = None
-    # signal -> id(labels dict) -> (that dict, its series key), for the dicts of the last sample: a collector
-    # that hands the same dict again (a job's, every second) has it sorted into a key once (see Signals); the
-    # dict is kept with its key, so no other object can have its id meanwhile
-    _keys: dict[str, dict[int, tuple[dict[str, str], Labels]]] = field(default_factory=dict)
+    # signal -> id(labels dict) -> (that dict, its series), for the dicts of the last sample: a collector that
+    # hands the same dict again (a job's, every second) has its series found without a key made or hashed (see
+    # Signals); the dict is kept with its series, so no other object can have its id meanwhile
+    _keys: dict[str, dict[int, tuple[dict[str, str], _Series]]] = field(default_factory=dict)
+    _samples: int = 0  # observe() calls so far: a series seen in this one has it as its ``seen``
 
     def set_rules(self, rules: list[Rule]) -> list[Transition]:
         """Replace the rules; firing series of rules that are gone or changed resolve, pending ones clear."""
@@ -417,17 +499,22 @@ class Engine:
             old = {r.name: r for r in self.rules}
             self.rules = list(rules)
             self._version += 1
-            for histories in self._history.values():
-                for history in histories.values():
-                    history.forget_sorted()  # each rule's baseline is sorted again at its next evaluation
+            for every in self._series.values():
+                for series in every.values():
+                    series.forget_sorted()  # each rule's baseline is sorted again at its next evaluation
             kept = {r.name for r in rules if old.get(r.name) == r}
-            out = [Transition(RESOLVED if s.active else CLEARED, old[name], dict(labels), s.value,
-                              "rule removed or changed")
-                   for name, states in self._states.items() if name not in kept
-                   for labels, s in states.items() if s.active or s.pending_since is not None]
-            for name in [n for n in self._states if n not in kept]:
-                for labels, s in self._states.pop(name).items():
-                    self._set_active(labels, s, False)
+            out = []
+            for name, rule in old.items():
+                if name in kept:
+                    continue
+                for series in self._series.get(rule.conditions[0].signal, {}).values():
+                    state = series.states.pop(name, None)
+                    if state is None:
+                        continue
+                    if state.active or state.pending_since is not None:
+                        out.append(Transition(RESOLVED if state.active else CLEARED, rule, dict(series.key),
+                                              state.value, "rule removed or changed"))
+                    self._set_active(series.key, state, False)
                     self._version += 1
             return out
 
@@ -455,68 +542,82 @@ class Engine:
         that use them; ``training(labels)`` says whether a job trains where a series is."""
         with self._lock:
             oldest = now - self._keep_seconds()
-            seen: dict[str, set[Labels]] = {}
-            for signal, series in signals.items():
-                histories = self._history.setdefault(signal, {})
-                keys = seen[signal] = set()
+            self._samples += 1
+            sample, finite = self._samples, math.isfinite
+            seen: dict[str, int] = {}
+            for signal, sent in signals.items():
+                every = self._series.setdefault(signal, {})
+                axis = self._axes.get(signal)
+                if axis is None:
+                    axis = self._axes[signal] = Axis()
+                axis.append(now)
                 known, current = self._keys.get(signal, {}), {}
                 self._keys[signal] = current
-                for labels, value in series:
-                    if not math.isfinite(value):
+                count = 0
+                for labels, value in sent:
+                    if not finite(value):
                         continue
                     same = id(labels)
-                    entry = current[same] = known.get(same) or (labels, tuple(sorted(labels.items())))
-                    key = entry[1]
-                    keys.add(key)
-                    history = histories.get(key)
-                    if history is None:
-                        history = histories[key] = History()
-                    history.append(now, value)
-                    history.drop_before(oldest)
-            for signal, histories in self._history.items():
+                    entry = current[same] = known.get(same) or (labels, self._find(every, labels, axis))
+                    series = entry[1]
+                    if series.seen != sample:  # a value each sample (a second of the same series is not one)
+                        series.seen = sample
+                        count += 1
+                        series.push(value)
+                seen[signal] = count
+                if axis.drop_before(oldest):
+                    for series in every.values():
+                        series.compact()
+            gone: dict[str, list[_Series]] = {}
+            for signal, every in self._series.items():
                 if self.catalog[signal][0] != source:
                     continue
                 if signal not in signals:
                     self._keys.pop(signal, None)
-                sent = seen.get(signal, set())
-                if len(sent) < len(histories):  # some of its series did not come
-                    for key in histories.keys() - sent:
-                        del histories[key]  # the GPU, job or interface is gone
-            return self._evaluate(source, now, training)
+                if seen.get(signal, 0) < len(every):  # some of its series did not come: the GPU, job or
+                    gone[signal] = [every.pop(k) for k in [k for k, s in every.items() if s.seen != sample]]
+            return self._evaluate(source, now, training, gone)
 
-    def _series(self, condition: Condition, labels: dict[str, str]) -> list[tuple[Labels, History]]:
+    @staticmethod
+    def _find(every: dict[Labels, _Series], labels: dict[str, str], axis: Axis) -> _Series:
+        """The series of these labels, made where there is none (from the sample ``axis`` took last)."""
+        key = tuple(sorted(labels.items()))
+        series = every.get(key)
+        if series is None:
+            series = every[key] = _Series(key, axis)
+        return series
+
+    def _matching(self, condition: Condition, labels: dict[str, str]) -> list[_Series]:
         """The series of ``condition.signal`` that match the primary series' labels."""
         wanted = self.catalog[condition.signal][1]
-        histories = self._history.get(condition.signal, {})
+        every = self._series.get(condition.signal, {})
         shared = {k: v for k, v in labels.items() if k in wanted}
         if not shared:  # every series (a host signal joined to a GPU's or job's)
-            return list(histories.items())
+            return list(every.values())
         if len(shared) == len(wanted):  # the one series with these labels: a lookup, not a scan
-            key = tuple(sorted(shared.items()))
-            history = histories.get(key)
-            return [] if history is None else [(key, history)]
-        return [(key, h) for key, h in histories.items() if all(dict(key).get(k) == v for k, v in shared.items())]
+            series = every.get(tuple(sorted(shared.items())))
+            return [] if series is None else [series]
+        return [s for key, s in every.items() if all(dict(key).get(k) == v for k, v in shared.items())]
 
-    def _evaluate(self, source: str, now: float, training: Callable[[dict[str, str]], bool]) -> list[Transition]:
+    def _evaluate(self, source: str, now: float, training: Callable[[dict[str, str]], bool],
+                  gone: dict[str, list[_Series]]) -> list[Transition]:
         out: list[Transition] = []
         for rule in self.rules:
             if not any(self.catalog[c.signal][0] == source for c in rule.conditions):
                 continue
-            primary, extras = rule.conditions[0], rule.conditions[1:]
-            states = self._states.setdefault(rule.name, {})
-            series = self._history.get(primary.signal, {})  # every series (not a list of them: 1,000 jobs')
-            for labels_key, history in series.items():
-                ok, value = holds(primary, history, now)
-                state = states.get(labels_key)
+            primary, extras, name = rule.conditions[0], rule.conditions[1:], rule.name
+            for series in self._series.get(primary.signal, {}).values():
+                ok, value = holds(primary, series, now)
+                state = series.states.get(name)
                 if state is None:
-                    state = states[labels_key] = _State()
+                    state = series.states[name] = _State()
                     self._version += 1
                 state.value = value
                 if not (ok or state.active or state.pending_since is not None):
                     continue  # nothing holds or held: no labels to make (most series, most samples)
-                labels = dict(labels_key)
+                labels = dict(series.key)
                 for extra in extras:
-                    ok = ok and any(holds(extra, h, now)[0] for _, h in self._series(extra, labels))
+                    ok = ok and any(holds(extra, h, now)[0] for h in self._matching(extra, labels))
                 if ok and rule.while_training:
                     ok = training(labels)
                 if not ok:
@@ -525,30 +626,31 @@ class Engine:
                     elif state.pending_since is not None:
                         out.append(Transition(CLEARED, rule, labels, value, "condition cleared before firing"))
                     state.pending_since = None
-                    self._set_active(labels_key, state, False)
+                    self._set_active(series.key, state, False)
                     continue
                 if state.pending_since is None:
                     state.pending_since = now
                     out.append(Transition(PENDING, rule, labels, value))
                 if not state.active and now - state.pending_since >= rule.for_seconds - FOR_SLACK_SECONDS:
-                    self._set_active(labels_key, state, True)
-                    self._firings[rule.name] = self._firings.get(rule.name, 0) + 1
+                    self._set_active(series.key, state, True)
+                    self._firings[name] = self._firings.get(name, 0) + 1
                     out.append(Transition(FIRING, rule, labels, value))
-            if len(states) > len(series):  # a series is gone (each series has its state by now)
-                for key in [k for k in states if k not in series]:
-                    state = states.pop(key)
-                    self._version += 1
-                    if state.active:
-                        out.append(Transition(RESOLVED, rule, dict(key), state.value, "series gone"))
-                        self._set_active(key, state, False)
-                    elif state.pending_since is not None:
-                        out.append(Transition(CLEARED, rule, dict(key), state.value, "series gone"))
+            for series in gone.get(primary.signal, ()):
+                state = series.states.pop(name, None)
+                if state is None:
+                    continue
+                self._version += 1
+                if state.active:
+                    out.append(Transition(RESOLVED, rule, dict(series.key), state.value, "series gone"))
+                    self._set_active(series.key, state, False)
+                elif state.pending_since is not None:
+                    out.append(Transition(CLEARED, rule, dict(series.key), state.value, "series gone"))
         return out
 
     def history(self, signal: str, labels: dict[str, str]) -> list[tuple[float, float]]:
         """The recent (monotonic time, value) samples of every series of ``signal`` matching ``labels``."""
         with self._lock:
-            return sorted(p for key, h in self._history.get(signal, {}).items()
+            return sorted(p for key, h in self._series.get(signal, {}).items()
                           if all(dict(key).get(k) == v for k, v in labels.items()) for p in h)
 
     def firing_for(self, job: str) -> bool:
@@ -562,8 +664,9 @@ class Engine:
             if self._collected is not None and self._collected[0] == self._version:
                 return self._collected[1]
             version = self._version
-            states = sorted(((name, labels), s.active) for name, kept in self._states.items()
-                            for labels, s in kept.items())
+            states = sorted(((rule.name, series.key), state.active) for rule in self.rules
+                            for series in self._series.get(rule.conditions[0].signal, {}).values()
+                            if (state := series.states.get(rule.name)) is not None)
             firings = dict(self._firings)
             names = [r.name for r in self.rules]
         families: list[Metric] = [

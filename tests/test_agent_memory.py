@@ -45,8 +45,11 @@ def test_a_rule_series_history_keeps_and_finds_what_a_scan_of_every_sample_found
         history.append(now, value)
         plain.append((now, value))
         keep = rng.choice([30.0, 200.0, 625.0])
+        probe = now - 150.0
+        history.between(probe)  # found before the drop: found again after it, without what was dropped
         history.drop_before(now - keep)
         plain = [(t, v) for t, v in plain if t >= now - keep]
+        assert history.between(probe).tolist() == [v for t, v in plain if t >= probe]
         assert list(history) == plain and len(history) == len(plain) and history.last() == plain[-1][1]
         start, end = now - rng.uniform(0, 300), now - rng.uniform(0, 30)
         assert history.between(start, end).tolist() == [v for t, v in plain if start <= t < end]

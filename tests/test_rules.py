@@ -258,7 +258,7 @@ def test_baseline_windows_kept_sorted_do_not_outlive_the_rules_that_used_them():
                                                       below_baseline=0.5, baseline=60.0),))])
         for t in range(100 * edit, 100 * edit + 100):
             engine.observe("training", float(t), {"samples_per_second": [(labels, 100.0 + t % 7)]}, lambda _: True)
-        (history,) = engine._history["samples_per_second"].values()
+        (history,) = engine._series["samples_per_second"].values()
         assert list(history._sorted) == [(float(edit), 60.0)]
 
 
@@ -314,7 +314,7 @@ def test_a_series_key_kept_for_a_labels_dict_handed_again_never_goes_to_another_
                        lambda _: True)
         assert {k: [v for _, v in engine.history("gpu_utilization", {"gpu": k})][-1]
                 for k in ("k", str(t % 3))} == {"k": 0.9, str(t % 3): 0.1 * (t % 3)}
-        assert sorted(dict(key)["gpu"] for key in engine._history["gpu_utilization"]) == sorted({"k", str(t % 3)})
+        assert sorted(dict(key)["gpu"] for key in engine._series["gpu_utilization"]) == sorted({"k", str(t % 3)})
 
 
 def test_removing_a_pending_rule_clears_it():
@@ -326,3 +326,51 @@ def test_removing_a_pending_rule_clears_it():
     assert [t.kind for t in e.transitions] == [PENDING]
     [cleared] = e.engine.set_rules([])
     assert (cleared.kind, cleared.why, cleared.labels) == (CLEARED, "rule removed or changed", {"gpu": "0"})
+
+
+def test_series_on_their_signals_shared_times_fire_as_histories_of_their_own_would():
+    """The series of a signal share its sample times (issue 24: one axis searched once a sample, not 1,000 arrays
+    of times): with series that come, go, come back, skip a sample with a NaN, are handed twice in one sample,
+    and times that repeat or jump, each series' history, and whether each rule holds on it, are what a history
+    of its own with the same samples gives."""
+    import random
+
+    rng = random.Random(2424)
+    rules = [Rule(f"r{i}", "", (condition,), for_seconds=0, while_training=False) for i, condition in enumerate([
+        Condition("samples_per_second", aggregate="mean", window=20.0, below_baseline=0.8, baseline=120.0),
+        Condition("samples_per_second", aggregate="p50", window=7.0, above_baseline=1.1, baseline=40.0),
+        Condition("samples_per_second", aggregate="min", window=3.0, below=2.0)])]
+    engine = Engine(rules, signal_catalog())
+    keep = 120.0 + 20.0 + 5  # what the engine keeps: the longest window and baseline, and 5 s
+    labels = {job: {"training_job": job, "worker": "0"} for job in "abcdefgh"}
+    own: dict[str, list[tuple[float, float]]] = {}
+    now, checked = 0.0, 0
+    for step in range(1500):
+        now += rng.choice([0.0, 1.0, 1.0, 1.0, 2.0, 200.0 if step % 400 == 399 else 1.0])
+        sent = []
+        for job in rng.sample(sorted(labels), rng.randint(0, 8)):
+            value = rng.choice([float("nan"), 0.5, *(rng.uniform(1, 10) for _ in range(8))])
+            sent.append((labels[job], value))
+            if rng.random() < 0.05:  # the same series twice in one sample: its first number counts
+                sent.append((labels[job], rng.uniform(1, 10)))
+        firsts = {}
+        for job_labels, value in sent:
+            if value == value:
+                firsts.setdefault(job_labels["training_job"], value)
+        for job in labels:  # a series missing from a sample (or only NaN in it) is gone: it starts again
+            value = firsts.get(job)
+            if value is None:
+                own.pop(job, None)
+            else:
+                own[job] = [(t, v) for t, v in own.get(job, []) if t >= now - keep] + [(now, value)]
+        engine.observe("training", now, {"samples_per_second": sent}, lambda _: True)
+        [active, _] = engine.collect()
+        firing = {(s.labels["rule"], s.labels["training_job"]): s.value for s in active.samples}
+        for job, samples in own.items():
+            assert engine.history("samples_per_second", {"training_job": job}) == sorted(samples), (step, job)
+            for rule in rules:
+                expected = holds(rule.conditions[0], History(samples), now)[0]
+                assert firing[(rule.name, job)] == float(expected), (step, job, rule.name)
+                checked += expected
+        assert {job for _, job in firing} == set(own)
+    assert checked > 300
