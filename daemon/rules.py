@@ -42,6 +42,7 @@ FOR_SLACK_SECONDS = 0.05
 # A window kept sorted that this many samples entered or left since is sorted afresh: sorting 600 values
 # costs about as much as taking 40 out and putting 40 in one by one.
 RESORT_AFTER = 64
+FOUND_KEPT = 64  # windows an Axis remembers where they start (a few per rule joined to its signal)
 
 
 @dataclass(frozen=True)
@@ -219,10 +220,11 @@ def aggregate(values: Sequence[float], how: str) -> float:
 
 class Axis:
     """The sample times of a signal, oldest first, shared by its series: the rules engine gives every series of a
-    signal a value at each of its samples (a series that misses one is gone), so one time axis serves them all.
-    A window is found once a sample for all of them, and 1,000 jobs' series no longer each keep and search an
-    array of times of their own: ~30 cache misses a series and sample, 40% of the rules' CPU (issue 24), and
-    5.6 kB a series. Indices are global: the n-th time this axis took is index n, whatever was dropped since."""
+    signal a value at each of its samples (a series that misses one is gone, or starts again: ``History.push``),
+    so one time axis serves them all. A window is found once a sample for all of them, and 1,000 jobs' series no
+    longer each keep and search an array of times of their own: ~30 cache misses a series and sample, 40% of the
+    rules' CPU (issue 24), and 5.6 kB a series. Indices are global: the n-th time this axis took is index n,
+    whatever was dropped since."""
 
     __slots__ = ("_found", "_start", "dropped", "times")
 
@@ -230,7 +232,9 @@ class Axis:
         self.times = array("d")
         self.dropped = 0  # times deleted from the front of the array so far: a global index minus it is an offset
         self._start = 0  # times before this offset are dropped (deleted once they are half the array)
-        self._found: dict[float, int] = {}  # index(t) since the last change: every series asks for the same t
+        # index(t) since the last change: every series asks for the same t (at most FOUND_KEPT: a signal whose
+        # collector stalled is still asked by rules joined to it, with another t at each of their samples)
+        self._found: dict[float, int] = {}
 
     @property
     def first(self) -> int:
@@ -271,6 +275,8 @@ class Axis:
         """The global index of the first time kept at ``t`` or later (``end`` where there is none)."""
         found = self._found.get(t)
         if found is None:
+            if len(self._found) >= FOUND_KEPT:
+                self._found.clear()
             found = self._found[t] = bisect_left(self.times, t, self._start) + self.dropped
         return found
 
@@ -283,12 +289,10 @@ class History:
 
     __slots__ = ("_axis", "_base", "_sorted", "_values")
 
-    def __init__(self, samples: Iterable[tuple[float, float]] = (), axis: Axis | None = None):
-        """A history on ``axis`` takes its values from the axis's latest time on (``push``), one at each time the
-        axis takes; one without takes times and values alike (``append``)."""
-        self._axis = Axis() if axis is None else axis
+    def __init__(self, samples: Iterable[tuple[float, float]] = ()):
+        self._axis = Axis()
         self._values = array("d")
-        self._base = self._axis.end if axis is None else axis.end - 1  # the global index of ``_values[0]``
+        self._base = 0  # the global index of ``_values[0]`` on the axis
         # a sliding window's values kept sorted, by the caller's key: (first sample, end sample, values), global
         self._sorted: dict[Hashable, tuple[int, int, array]] | None = None
         for t, v in samples:
@@ -300,8 +304,14 @@ class History:
         self._values.append(value)
 
     def push(self, value: float) -> None:
-        """The value at the time its shared axis took last."""
-        self._values.append(value)
+        """The value at the time its shared axis took last. A history that missed a time of its axis (its signal
+        came in a sample without it, and it was not removed: a collector's bug, an exception halfway through a
+        sample) starts again from this value: the samples after a gap would otherwise go with the wrong times."""
+        values, end = self._values, self._axis.end - 1
+        if self._base + len(values) != end:
+            del values[:]
+            self._base, self._sorted = end, None
+        values.append(value)
 
     def drop_before(self, t: float) -> None:
         if self._axis.drop_before(t):
@@ -320,15 +330,17 @@ class History:
         return first if first > self._base else self._base
 
     def _index(self, t: float, least: int) -> int:
+        """The global index of the first of its samples at ``t`` or later, from ``least`` to its end."""
         found = self._axis.index(t)
-        return found if found > least else least
+        end = self._base + len(self._values)  # before the axis's where a value is missing (see ``push``)
+        return least if found < least else end if found > end else found
 
     def __len__(self) -> int:
-        return self._base + len(self._values) - self._first()
+        return max(self._base + len(self._values) - self._first(), 0)
 
     def __iter__(self) -> Iterator[tuple[float, float]]:
-        first, axis = self._first(), self._axis
-        return zip(axis.times[first - axis.dropped:], self._values[first - self._base:], strict=True)
+        first, axis, end = self._first(), self._axis, self._base + len(self._values)
+        return zip(axis.times[first - axis.dropped:end - axis.dropped], self._values[first - self._base:], strict=True)
 
     def last(self) -> float:
         return self._values[-1]
@@ -444,7 +456,9 @@ class _Series(History):
     __slots__ = ("key", "seen", "states")
 
     def __init__(self, key: Labels, axis: Axis):
-        super().__init__(axis=axis)
+        """A series of the signal whose times ``axis`` holds, from the time it took last on."""
+        super().__init__()
+        self._axis, self._base = axis, axis.end - 1
         self.key = key
         self.seen = 0  # the Engine's sample that last brought a value of it
         self.states: dict[str, _State] = {}

@@ -374,3 +374,34 @@ def test_series_on_their_signals_shared_times_fire_as_histories_of_their_own_wou
                 checked += expected
         assert {job for _, job in firing} == set(own)
     assert checked > 300
+
+
+def test_a_series_that_missed_a_time_of_its_signal_starts_again_rather_than_pair_values_with_wrong_times():
+    """A sample that raised halfway (a collector's bug: a None value) left some series without a value at a time
+    their signal's axis took: their next values must not go with the times before them. The series starts again
+    from its next value: no rule fires on values paired with the wrong times, and its history reads."""
+    rule = Rule("m", "", (Condition("gpu_utilization", aggregate="mean", window=1.5, below=0.5),), for_seconds=0,
+                while_training=False)
+    engine = Engine([rule], signal_catalog())
+    a, b = {"gpu": "0"}, {"gpu": "1"}
+    engine.observe("nvml", 0.0, {"gpu_utilization": [(a, 0.9), (b, 0.9)]}, lambda _: True)
+    with pytest.raises(TypeError):
+        engine.observe("nvml", 1.0, {"gpu_utilization": [(a, 0.9), (b, None)]}, lambda _: True)
+    assert engine.observe("nvml", 2.0, {"gpu_utilization": [(a, 0.9), (b, 0.9)]}, lambda _: True) == []
+    assert engine.observe("nvml", 3.0, {"gpu_utilization": [(a, 0.9), (b, 0.1)]}, lambda _: True) == []  # 0.5
+    assert engine.history("gpu_utilization", {"gpu": "1"}) == [(2.0, 0.9), (3.0, 0.1)]
+    assert engine.history("gpu_utilization", {"gpu": "0"}) == [(0.0, 0.9), (1.0, 0.9), (2.0, 0.9), (3.0, 0.9)]
+
+
+def test_a_stalled_signal_asked_by_the_rules_of_another_does_not_grow_the_engine():
+    """A collector that hangs in a library call publishes nothing, and its series stay; the rules that join its
+    signal to another's (cpu_bottleneck: GPU utilization and CPU) still ask where their windows start, with
+    another time at each sample of the other signal. What the engine keeps for that stays bounded."""
+    from tfprofd.daemon.config import load_rules_file
+    from tfprofd.daemon.rules import DEFAULT_RULES, FOUND_KEPT
+
+    engine = Engine(list(load_rules_file(DEFAULT_RULES, [])), signal_catalog())
+    engine.observe("nvml", 0.0, {"gpu_utilization": [({"gpu": "0"}, 0.1)]}, lambda _: True)  # then NVML hangs
+    for t in range(1, 2000):
+        engine.observe("cpu", float(t), {"cpu_utilization": [({}, 0.95)], "cpu_iowait": [({}, 0.0)]}, lambda _: True)
+    assert len(engine._axes["gpu_utilization"]._found) <= FOUND_KEPT
