@@ -32,8 +32,9 @@ def test_rules_mean_and_median_are_statistics_own():
 
 
 def test_a_rule_series_history_keeps_and_finds_what_a_scan_of_every_sample_found():
-    """Rule histories are kept in arrays (16 bytes a sample; a deque of tuples took ~90, 110 MB with 1,000
-    jobs over the 10 min baseline) and windows found by bisection: the same samples as a list scan."""
+    """Rule histories are kept in arrays (a value's 8 bytes, the times on an axis; a deque of tuples took ~90 bytes a
+    sample, 110 MB with 1,000 jobs over the 10 min baseline) and windows found by bisection: the same samples as a
+    list scan, also for a window found before a drop and asked for again after it."""
     from tfprofd.daemon.rules import History
 
     rng = random.Random(2424)
