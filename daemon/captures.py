@@ -64,6 +64,10 @@ class CaptureService:
         self.capture_workers = WorkerPool("capture", limit=8, prestart=CAPTURE_WORKER)  # start(): one waits
         self.analysis_workers = WorkerPool("analysis", limit=2)  # xprof needs 200-450 MB each
         self._records: dict[str, CaptureRecord] = {}
+        # each job's baseline records (``_keep``, ``_drop``): the baseline scheduler asks for a steady job's newest at
+        # each sample, and a scan of every record for each of 1,000 jobs, each keeping its newest baseline, read a
+        # million records a sample (issue 24)
+        self._baseline_records: dict[str, list[CaptureRecord]] = {}
         self._finished: dict[tuple[str, str], int] = {}
         self._discarded: dict[str, int] = {}  # rule -> captures taken on pending and discarded
         self.pending = PendingCaptures(clock.monotonic)
@@ -78,7 +82,7 @@ class CaptureService:
                 record.detail = "the agent stopped while this capture ran"
                 record.finished_at = record.finished_at or clock.time()
                 self._save(record)
-            self._records[record.id] = record
+            self._keep(record)
         if self._records:
             log.info("loaded %d capture record(s) from %s", len(self._records), store.records_dir)
 
@@ -136,7 +140,7 @@ class CaptureService:
                 self.store.delete(record)
             raise StorageError(f"cannot create the capture's directory or record: {exc}") from None
         with self._lock:
-            self._records[record.id] = record
+            self._keep(record)
         self.on_change()
         log.info("capture %s started: trigger=%s job=%s targets=%s duration=%dms%s", record.id, trigger, record.job,
                  ",".join(t.address for t in targets), record.duration_ms, f" rule={rule}" if rule else "")
@@ -339,9 +343,25 @@ class CaptureService:
             return self._baselines_locked(job, analysed)
 
     def _baselines_locked(self, job: str, analysed: bool = True) -> list[CaptureRecord]:
-        records = [r for r in self._records.values() if r.job == job and r.trigger == "baseline"
-                   and (not analysed or (r.status == "done" and r.analysis is not None and r.analysis.steps))]
+        records = [r for r in self._baseline_records.get(job, ())
+                   if not analysed or (r.status == "done" and r.analysis is not None and r.analysis.steps)]
         return sorted(records, key=lambda r: -r.requested_at)
+
+    def _keep(self, record: CaptureRecord) -> None:
+        """Hold a record (with the lock held, or before any thread runs)."""
+        self._records[record.id] = record
+        if record.trigger == "baseline":
+            self._baseline_records.setdefault(record.job, []).append(record)
+
+    def _drop(self, record_id: str) -> None:
+        """Let a record go (with the lock held)."""
+        record = self._records.pop(record_id, None)
+        if record is not None and record.trigger == "baseline":
+            kept = [r for r in self._baseline_records.get(record.job, ()) if r is not record]
+            if kept:
+                self._baseline_records[record.job] = kept
+            else:
+                self._baseline_records.pop(record.job, None)
 
     def baseline_of(self, record: CaptureRecord) -> CaptureRecord | None:
         """The newest analysed baseline of the record's job taken before it (none for a baseline itself)."""
@@ -361,7 +381,7 @@ class CaptureService:
         """Delete the oldest finished captures beyond captures.keep or captures.max_bytes."""
         s = self.settings()
         with self._lock:
-            kept = {b[0].id for job in {r.job for r in self._records.values()}
+            kept = {b[0].id for job in self._baseline_records
                     if (b := self._baselines_locked(job))}  # each job's newest baseline stays: later captures compare
             finished = sorted((r for r in self._records.values() if r.status in FINISHED and r.id not in kept),
                               key=lambda r: r.requested_at)
@@ -371,7 +391,7 @@ class CaptureService:
             total -= oldest.bytes
             freed = self.store.delete(oldest)
             with self._lock:
-                self._records.pop(oldest.id, None)
+                self._drop(oldest.id)
             log.info("capture %s deleted by retention (keep %d, max %d bytes): %d bytes freed", oldest.id, s.keep,
                      s.max_bytes, freed)
 

@@ -494,3 +494,34 @@ def test_a_collector_stopped_while_another_samples_is_not_sampled_again():
         first.stop()
         shared.stop()
         shared.join(10)
+
+
+def test_each_jobs_newest_baseline_is_found_without_reading_every_jobs_records(tmp_path, monkeypatch):
+    """The baseline scheduler asks for a steady job's newest baseline at each sample, and retention keeps each job's
+    newest: with 1,000 jobs that is 1,000 records, and a scan of all of them per question read a million records a
+    sample (issue 24). Each job's newest is still found, also once retention deleted older ones, reading a few
+    records per question."""
+    from tfprofd.daemon.records import CaptureRecord
+
+    store = RecordStore(tmp_path)
+    jobs = [f"job{i:04d}" for i in range(1000)]
+    for i, job in enumerate(jobs):
+        for k, at in enumerate((1000.0 + i, 5000.0 + i)):  # two baselines each, the second the newer
+            store.save(CaptureRecord(id=f"20261128T0000{k:02d}Z-{i:06x}", trigger="baseline", job=job, targets=[],
+                                     requested_at=at, duration_ms=500, mode="server", status="done",
+                                     finished_at=at + 1))
+    captures = service(tmp_path, keep=1)
+    reads = [0]
+    getattribute = CaptureRecord.__getattribute__
+
+    def counted(record, name):
+        reads[0] += 1
+        return getattribute(record, name)
+
+    monkeypatch.setattr(CaptureRecord, "__getattribute__", counted)
+    assert [captures.last_baseline_time(job) for job in jobs] == [5000.0 + i for i in range(len(jobs))]
+    assert reads[0] < 20 * len(jobs)
+    monkeypatch.undo()
+    captures.enforce_retention()  # keep=1 (none is analysed, so no job's newest baseline is kept for comparisons)
+    assert [r.job for r in captures.list()] == ["job0999"]
+    assert [captures.last_baseline_time(job) for job in (*jobs[:3], jobs[-1])] == [None, None, None, 5999.0]
