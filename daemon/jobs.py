@@ -44,7 +44,7 @@ class JobRegistry:
         # what is_training asks, derived once per snapshot: the rules ask it for every series they
         # evaluate, and a scan of 1,000 jobs per series made each sample O(jobs²) (issue 24)
         self._training: set[tuple[str, str]] = set()  # (job, worker) of every training process
-        self._training_jobs: set[str] = set()
+        self._training_jobs: frozenset[str] = frozenset()
         self._gpus_mapped = False  # NVML lists a reporting process on some GPU
         self._training_gpus: set[str] = set()  # GPUs where NVML lists a training process
         self._pids: set[int] = set()  # of every reporting process
@@ -77,7 +77,7 @@ class JobRegistry:
             self._processes = tuple(p for f in reported for p in f.processes)
             training = [p for p in self._processes if p.training]
             self._training = {(p.job, p.worker) for p in training}
-            self._training_jobs = {job for job, _ in self._training}
+            self._training_jobs = frozenset(job for job, _ in self._training)
             self._pids = {p.pid for p in self._processes}
             self._training_pids = {p.pid for p in training}
         self._gpus = tuple(g for f in facts if isinstance(f, GpuProcesses) for g in f.gpus)
@@ -169,9 +169,10 @@ class JobRegistry:
         batches = [p.batch_size for p in processes if p.batch_size]
         return (sum(rates) if rates else None), (sum(batches) / len(batches) if batches else None)
 
-    def training_jobs(self) -> set[str]:
+    def training_jobs(self) -> frozenset[str]:
+        """The jobs with a process that trains (as derived from the latest sample, not made again per call)."""
         with self._lock:
-            return {p.job for p in self._processes if p.training}
+            return self._training_jobs
 
     def _gpu_pods(self) -> list[tuple[str, str, PodDevice]]:
         """(gpu, uuid, pod device) for every GPU device the kubelet assigned, with NVML's index for its UUID

@@ -533,7 +533,7 @@ class Engine:
             return out
 
     def _set_active(self, labels: Labels, state: _State, active: bool) -> None:
-        """Change a state's activity, keeping the count of active states per training job (firing_for)."""
+        """Change a state's activity, keeping the count of active states per training job (firing_jobs)."""
         if state.active == active:
             return
         state.active = active
@@ -667,10 +667,10 @@ class Engine:
             return sorted(p for key, h in self._series.get(signal, {}).items()
                           if all(dict(key).get(k) == v for k, v in labels.items()) for p in h)
 
-    def firing_for(self, job: str) -> bool:
-        """Whether any rule fires for a series of this training job."""
+    def firing_jobs(self) -> frozenset[str]:
+        """The training jobs for a series of which some rule fires."""
         with self._lock:
-            return job in self._firing_jobs
+            return frozenset(self._firing_jobs)
 
     def collect(self) -> list[Metric]:
         """The rules' families; the same objects while no state came, went or changed (see ``_version``)."""

@@ -203,8 +203,8 @@ def test_times_are_the_sample_clock_not_the_wall_clock():
     assert e.fired
 
 
-def test_firing_for_follows_each_job_through_firing_resolving_going_and_rule_removal():
-    # firing_for decides whether a job is steady enough for its baseline capture, once per job per sample
+def test_firing_jobs_follow_each_job_through_firing_resolving_going_and_rule_removal():
+    # firing_jobs decides which jobs are steady enough for their baseline capture, once a sample
     rule = Rule("drop", "", (Condition("samples_per_second", below=50),), for_seconds=0)
     e = Scripted(rule)
 
@@ -213,13 +213,13 @@ def test_firing_for_follows_each_job_through_firing_resolving_going_and_rule_rem
                                                          for job, v in values.items()]})
 
     rate(0, a=10.0, b=100.0)
-    assert e.engine.firing_for("a") and not e.engine.firing_for("b")
+    assert "a" in e.engine.firing_jobs() and "b" not in e.engine.firing_jobs()
     rate(1, a=100.0, b=10.0)  # a cleared, b fires
-    assert not e.engine.firing_for("a") and e.engine.firing_for("b")
+    assert "a" not in e.engine.firing_jobs() and "b" in e.engine.firing_jobs()
     rate(2, a=10.0)  # b's series is gone: resolved
-    assert e.engine.firing_for("a") and not e.engine.firing_for("b")
+    assert "a" in e.engine.firing_jobs() and "b" not in e.engine.firing_jobs()
     e.engine.set_rules([])
-    assert not e.engine.firing_for("a")
+    assert "a" not in e.engine.firing_jobs()
 
 
 def test_a_baseline_median_kept_sorted_as_its_window_slides_is_the_median_of_the_window():
