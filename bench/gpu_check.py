@@ -8,17 +8,16 @@ abi3 wheels, about 5 MB): the GPU machine has NVML but no package registry, and 
 directory alone on its path, against the real ``libnvidia-ml.so.1``, for ``--seconds`` (60), scrapes it,
 lints the scrape with promtool where there is one, and prints: the GPU model and driver, every GPU series,
 which NVML readings each GPU has, each collector's success and sampling duration, and every NVML call
-that failed. With ``--workload`` (default 20 s; PyTorch with CUDA on that machine) a job runs on GPU 0 through
-the hook (``bench/gpu_workload.py``), at full speed and then slowed: the check prints, per phase, GPU 0's
-utilization and SM activity, the job's samples/s and step time, and whether ``tfprofd_gpu_job_info`` put the
-job's worker on the GPU (the join the straggler rule's GPU signal is built on). With ``--jobs N``, N simulated
-jobs report (over UDP from loopback, ``--pods`` over UDP from a network namespace of their own as pods do, or
-``--unix`` over the hook's Unix socket) at their own phases once a
-second, and the check prints the agent's CPU with them, unscraped for up to 20 s and then while it scrapes every
-second (the kernel's UDP socket table grows with the host's memory, and the agent reads it for a loopback
-UDP report: a GPU host's figures are not the development machine's). It writes the scrape, the log
-and the summary to ``$OUT`` (or ``--out``) when set. It exits 1, saying why, where NVML cannot be loaded or
-initialized or reports no GPU: nothing was checked there.
+that failed. With ``--workload`` (default 20 s; PyTorch with CUDA on that machine) a job runs on GPU 0 through the
+hook (``bench/gpu_workload.py``), at full speed and then slowed: the check prints, per phase, GPU 0's utilization
+and SM activity, the job's samples/s and step time, and whether ``tfprofd_gpu_job_info`` put the job's worker on the
+GPU (the join the straggler rule's GPU signal is built on). With ``--jobs N``, N simulated jobs report (over UDP
+from loopback, ``--pods`` over UDP from a network namespace of their own as pods do, or ``--unix`` over the hook's
+Unix socket) at their own phases once a second, and the check prints the agent's CPU with them, unscraped for up to
+20 s and then while it scrapes every second (the kernel's UDP socket table grows with the host's memory, and the
+agent reads it for a loopback UDP report: a GPU host's figures are not the development machine's). It writes the
+scrape, the log and the summary to ``$OUT`` (or ``--out``) when set. It exits 1, saying why, where NVML cannot be
+loaded or initialized or reports no GPU: nothing was checked there.
 """
 
 from __future__ import annotations
@@ -137,7 +136,7 @@ def pod_network(netns: str, host_side: str, pod_side: str) -> bool:
     """A network namespace ``netns`` for simulated jobs, joined to the host's by a veth pair whose ends get
     ``host_side`` and ``pod_side`` (a /30), as pods on a pod network are: their reports come from an address that
     is not the host's, so the agent reads no socket table for them (``--pods`` here and in ``versus.py``).
-    ``ip netns del`` removes it and the pair. False, saying why and leaving neither behind, where it cannot be
+    ``remove_pod_network`` removes it and the pair. False, saying why and leaving neither behind, where it cannot be
     made (it needs root and ip(8))."""
     link = f"tfp{os.getpid()}"  # remove_pod_network knows it by this name
     for command in (f"ip netns add {netns}", f"ip link add {link} type veth peer name {link}p",

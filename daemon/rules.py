@@ -588,7 +588,8 @@ class Engine:
                     continue
                 if signal not in signals:
                     self._keys.pop(signal, None)
-                if seen.get(signal, 0) < len(every):  # some of its series did not come: the GPU, job or
+                if seen.get(signal, 0) < len(every):  # some of its series did not come: their GPU, job or
+                    # interface is gone
                     gone[signal] = [every.pop(k) for k in [k for k, s in every.items() if s.seen != sample]]
             return self._evaluate(source, now, training, gone)
 
