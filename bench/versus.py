@@ -10,6 +10,8 @@ git). ``--jobs=N`` (20), ``--rounds=R`` (5) windows of ``--seconds=S`` (30). ``-
 over each agent's Unix socket, as jobs on a host do (UDP otherwise); ``--spread``: at their own phases over
 each second (one burst otherwise). ``--pods``: the jobs report over UDP from a network namespace of their own,
 through a veth pair, as pods on a pod network do (their address is not the host's: needs root and ``ip``).
+``--scrape-every=S``: both agents are scraped every S seconds as Prometheus scrapes (OpenMetrics, gzip, kept
+alive), from ``SLOW_WARMUP`` scrapes before the first window on (unscraped otherwise).
 ``--quick``: 2 jobs, one window of 1 s, against ``HEAD`` (CI; without a git history, the checkout against itself).
 """
 
@@ -23,11 +25,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from http.client import HTTPConnection
 from pathlib import Path
 
 from gpu_check import pod_network, remove_pod_network
-from scrape import report_forever, wait_jobs
+from scrape import SLOW_WARMUP, report_forever, timed, wait_jobs
 
 from common import ROOT, cpu_seconds, rss_bytes, start_agent, stop
 from helpers import free_port
@@ -46,6 +50,17 @@ BASE = option("base", "HEAD" if QUICK else "HEAD~1")
 JOBS = 2 if QUICK else int(option("jobs", "20"))
 ROUNDS = 1 if QUICK else int(option("rounds", "5"))
 SECONDS = 1.0 if QUICK else float(option("seconds", "30"))
+SCRAPE_EVERY = float(option("scrape-every", "0"))
+
+
+def scrape_every(ports: list[int], period: float, stop_event: threading.Event) -> None:
+    """Scrape each agent every ``period`` seconds, one after the other, until ``stop_event``."""
+    conns = [HTTPConnection("127.0.0.1", port, timeout=30) for port in ports]
+    due = time.monotonic()
+    while not stop_event.wait(max(due - time.monotonic(), 0.0)):
+        for conn in conns:
+            timed(conn)
+        due += period
 
 
 def ratio(this: float, base: float) -> float:
@@ -83,9 +98,10 @@ def main() -> None:
         sent = "the Unix socket" if UNIX else "UDP from a network namespace of their own (pods)" if PODS else "UDP"
         print(f"tfprofd at this checkout against {BASE if base else 'itself (no git history)'}, both at once, "
               f"{JOBS} jobs each reporting {'at their own phases' if SPREAD else 'in one burst a second'} over "
-              f"{sent}, unscraped", flush=True)
+              f"{sent}, {f'scraped every {SCRAPE_EVERY:g} s' if SCRAPE_EVERY else 'unscraped'}", flush=True)
         here = f"{ROOT / 'bench'}:{ROOT / 'tests'}"
-        agents, senders = {}, []
+        agents, senders, ports = {}, [], []
+        scraping = threading.Event()
         try:
             if PODS and not pod_network(NETNS, HOST_SIDE, POD_SIDE):
                 raise SystemExit(2)
@@ -96,6 +112,7 @@ def main() -> None:
                 agent, port = start_agent(directory, 8, extra=["--hook.listen", pod_side] if pod_side else None,
                                           env={"PYTHONPATH": path})
                 agents[name] = agent
+                ports.append(port)
                 command = Path(f"/proc/{agent.pid}/cmdline").read_text().split("\0")
                 udp = pod_side or command[command.index("--hook.listen") + 1]
                 stop_event = context.Event()
@@ -105,6 +122,9 @@ def main() -> None:
                 sender.start()
                 senders.append((sender, stop_event))
                 wait_jobs(port, JOBS)
+            if SCRAPE_EVERY:  # the agents learn the cadence before the windows
+                threading.Thread(target=scrape_every, args=(ports, SCRAPE_EVERY, scraping), daemon=True).start()
+                time.sleep(SLOW_WARMUP * SCRAPE_EVERY)
             cpu: dict[str, list[float]] = {name: [] for name in agents}
             for round_ in range(ROUNDS):
                 before, started = {name: cpu_seconds(a.pid) for name, a in agents.items()}, time.monotonic()
@@ -121,6 +141,7 @@ def main() -> None:
                   f"{max(ratios):.2f}); mean CPU base {statistics.mean(cpu['base']):.2f}%, "
                   f"this {statistics.mean(cpu['this']):.2f}%")
         finally:
+            scraping.set()
             for sender, stop_event in senders:
                 stop_event.set()
                 sender.join(10)

@@ -29,6 +29,9 @@ TEXT, OPENMETRICS = "text", "openmetrics"
 _LIBRARY = {TEXT: text_format.generate_latest, OPENMETRICS: openmetrics.generate_latest}
 _EOF = b"# EOF\n"
 DEMAND_SECONDS = 600.0
+# how many sampling intervals before a scrape is due a sample renders for it: one sample always falls in the window,
+# and the part it renders is at most an interval old when the scrape comes (2.5 intervals rendered 2-3 times a scrape)
+RENDER_LEAD = 1.5
 MAX_LABEL_SETS = 16384  # label strings a part keeps for its next rendering
 GZIP_LEVEL = 1  # a scrape is latency-bound: level 1 is several times faster than 9 for a few % more bytes
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
@@ -236,8 +239,8 @@ class Exposition:
     """Renders collectors ahead of the scrapes that will read them, and joins the parts into a scrape body.
 
     Rendering happens on a collector's sampling thread right after a sample, but only when a scrape in
-    that format is due within two sampling intervals: the scrape cadence of each format is learned from
-    the scrapes themselves. Prometheus every 15 s with a 1 s interval costs 2-3 renderings per
+    that format is due within ``RENDER_LEAD`` sampling intervals: the scrape cadence of each format is learned
+    from the scrapes themselves. Prometheus every 15 s with a 1 s interval costs 1-2 renderings per
     collector per scrape, not 15, and a scrape still finds a part at most one interval old. A scrape
     that finds no fresh part (the first in a format, or one off its cadence) renders it itself.
     """
@@ -263,7 +266,7 @@ class Exposition:
         last, period = self._scrapes[fmt]
         if period is None or now - last > DEMAND_SECONDS:
             return False  # no cadence known yet (one curl), or nobody scrapes this format any more
-        return period - 2.5 * interval <= now - last <= cadence_kept(period, interval)
+        return period - RENDER_LEAD * interval <= now - last <= cadence_kept(period, interval)
 
     def after_sample(self, name: str, collect: Callable[[], Iterable[Metric]], interval: float,
                      min_gap: float = 0.0) -> None:

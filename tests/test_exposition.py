@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import zlib
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import metric_value, wait_for
@@ -256,3 +257,40 @@ def test_a_rendering_that_forget_overtook_is_not_served_again():
 
     assert b'collector="disk"' in exposition.part("agent", TEXT, collect, 10.0).bytes  # this scrape's own snapshot
     assert b'collector="disk"' not in exposition.part("agent", TEXT, collect, 10.0).bytes
+
+
+@pytest.mark.parametrize("phase", [0.2, 0.7])
+def test_a_scrape_every_15_s_costs_at_most_two_renderings_and_finds_one_ready(phase):
+    """Prometheus every 15 s, sampling every second: the samples render only just ahead of the next scrape
+    (rendering 1,000 jobs costs ~20 ms, each one a scrape never reads is wasted), whatever the samples' phase
+    against the scrapes, and the scrape is served what a sample rendered, at most an interval old."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from tfprofd.daemon.exposition import Exposition
+
+    now = [1000.0]
+    exposition = Exposition(clock=lambda: now[0])
+    rendered: list[float] = []
+
+    def collect():
+        rendered.append(now[0])
+        return [GaugeMetricFamily("tfprofd_test", "A gauge.", value=1)]
+
+    def scrape() -> None:
+        exposition.body(lambda fmt: [exposition.part("x", fmt, collect, 2.5)], "", "")
+
+    for _ in range(4):  # the cadence is learned
+        scrape()
+        now[0] += 15.0
+    for _ in range(3):
+        start, count = now[0] - 15.0, len(rendered)
+        for second in range(15):  # the samples between two scrapes
+            now[0] = start + second + phase
+            exposition.after_sample("x", collect, interval=1.0)
+        now[0] = start + 15.0
+        ahead = len(rendered) - count
+        scrape()
+        assert len(rendered) - count == ahead  # served what a sample rendered
+        assert 1 <= ahead <= 2, rendered[count:]
+        assert now[0] - rendered[-1] <= 1.0
+        now[0] += 15.0
