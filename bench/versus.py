@@ -11,7 +11,8 @@ over each agent's Unix socket, as jobs on a host do (UDP otherwise); ``--spread`
 each second (one burst otherwise). ``--pods``: the jobs report over UDP from a network namespace of their own,
 through a veth pair, as pods on a pod network do (their address is not the host's: needs root and ``ip``).
 ``--scrape-every=S``: both agents are scraped every S seconds as Prometheus scrapes (OpenMetrics, gzip, kept
-alive), from ``SLOW_WARMUP`` scrapes before the first window on (unscraped otherwise).
+alive; ``scrape.scrape_every``), from three scrapes before the first window on (unscraped otherwise): the first
+in that format, so the agents know the cadence from the second.
 ``--quick``: 2 jobs, one window of 1 s, against ``HEAD`` (CI; without a git history, the checkout against itself).
 """
 
@@ -27,11 +28,10 @@ import sys
 import tempfile
 import threading
 import time
-from http.client import HTTPConnection
 from pathlib import Path
 
 from gpu_check import pod_network, remove_pod_network
-from scrape import SLOW_WARMUP, report_forever, timed, wait_jobs
+from scrape import report_forever, scraping, wait_jobs
 
 from common import ROOT, cpu_seconds, rss_bytes, start_agent, stop
 from helpers import free_port
@@ -51,16 +51,7 @@ JOBS = 2 if QUICK else int(option("jobs", "20"))
 ROUNDS = 1 if QUICK else int(option("rounds", "5"))
 SECONDS = 1.0 if QUICK else float(option("seconds", "30"))
 SCRAPE_EVERY = float(option("scrape-every", "0"))
-
-
-def scrape_every(ports: list[int], period: float, stop_event: threading.Event) -> None:
-    """Scrape each agent every ``period`` seconds, one after the other, until ``stop_event``."""
-    conns = [HTTPConnection("127.0.0.1", port, timeout=30) for port in ports]
-    due = time.monotonic()
-    while not stop_event.wait(max(due - time.monotonic(), 0.0)):
-        for conn in conns:
-            timed(conn)
-        due += period
+SCRAPE_WARMUP = 3  # scrapes before the first window
 
 
 def ratio(this: float, base: float) -> float:
@@ -101,7 +92,8 @@ def main() -> None:
               f"{sent}, {f'scraped every {SCRAPE_EVERY:g} s' if SCRAPE_EVERY else 'unscraped'}", flush=True)
         here = f"{ROOT / 'bench'}:{ROOT / 'tests'}"
         agents, senders, ports = {}, [], []
-        scraping = threading.Event()
+        stop_scraping = threading.Event()
+        scraper, scrape_errors = None, []
         try:
             if PODS and not pod_network(NETNS, HOST_SIDE, POD_SIDE):
                 raise SystemExit(2)
@@ -123,8 +115,8 @@ def main() -> None:
                 senders.append((sender, stop_event))
                 wait_jobs(port, JOBS)
             if SCRAPE_EVERY:  # the agents learn the cadence before the windows
-                threading.Thread(target=scrape_every, args=(ports, SCRAPE_EVERY, scraping), daemon=True).start()
-                time.sleep(SLOW_WARMUP * SCRAPE_EVERY)
+                scraper, scrape_errors = scraping(ports, SCRAPE_EVERY, stop_scraping)
+                time.sleep(SCRAPE_WARMUP * SCRAPE_EVERY)
             cpu: dict[str, list[float]] = {name: [] for name in agents}
             for round_ in range(ROUNDS):
                 before, started = {name: cpu_seconds(a.pid) for name, a in agents.items()}, time.monotonic()
@@ -134,6 +126,8 @@ def main() -> None:
                     cpu[name].append((cpu_seconds(agent.pid) - before[name]) / elapsed * 100)
                 print(f"  window {round_ + 1}: base {cpu['base'][-1]:.2f}%  this {cpu['this'][-1]:.2f}% of a core  "
                       f"ratio {ratio(cpu['this'][-1], cpu['base'][-1]):.2f}", flush=True)
+            if scrape_errors or (scraper is not None and not scraper.is_alive()):
+                raise SystemExit(f"the scrapes every {SCRAPE_EVERY:g} s stopped: {scrape_errors[:1]}")
             ratios = [ratio(t, b) for t, b in zip(cpu["this"], cpu["base"], strict=True)]
             rss = {name: rss_bytes(a.pid) / 2**20 for name, a in agents.items()}
             print(f"  resident: base {rss['base']:.1f} MiB  this {rss['this']:.1f} MiB")
@@ -141,7 +135,9 @@ def main() -> None:
                   f"{max(ratios):.2f}); mean CPU base {statistics.mean(cpu['base']):.2f}%, "
                   f"this {statistics.mean(cpu['this']):.2f}%")
         finally:
-            scraping.set()
+            stop_scraping.set()
+            if scraper is not None:
+                scraper.join(60)
             for sender, stop_event in senders:
                 stop_event.set()
                 sender.join(10)
