@@ -206,33 +206,46 @@ def test_training_jobs_rendered_job_by_job_read_as_a_full_rendering_through_ever
         collector.close()
 
 
+class _CountedPart:
+    """An exposition on a clock of the test's (``now``) with one part, "x", of one gauge, that notes when it is
+    rendered (``rendered``): sampled every second, scraped in the text format without gzip."""
+
+    def __init__(self, now: float):
+        from tfprofd.daemon.exposition import Exposition
+
+        self.now = now
+        self.rendered: list[float] = []
+        self.exposition = Exposition(clock=lambda: self.now)
+
+    def collect(self) -> list:
+        from prometheus_client.core import GaugeMetricFamily
+
+        self.rendered.append(self.now)
+        return [GaugeMetricFamily("tfprofd_test", "A gauge.", value=1)]
+
+    def sample(self) -> None:
+        self.exposition.after_sample("x", self.collect, interval=1.0)
+
+    def scrape(self) -> None:
+        self.exposition.body(lambda fmt: [self.exposition.part("x", fmt, self.collect, 2.5)], "", "")
+
+
 def test_a_burst_of_polls_that_stopped_does_not_keep_the_agent_rendering():
     """A script polling /metrics until the agent answers teaches the exposition a 0.1 s cadence; once the
     polls stop, samples must stop rendering ahead of scrapes that will not come (CPU with nobody scraping)."""
-    from prometheus_client.core import GaugeMetricFamily
-
-    from tfprofd.daemon.exposition import Exposition
-
-    now = [100.0]
-    exposition = Exposition(clock=lambda: now[0])
-    rendered = []
-
-    def collect():
-        rendered.append(now[0])
-        return [GaugeMetricFamily("tfprofd_test", "A gauge.", value=1)]
-
+    x = _CountedPart(100.0)
     for _ in range(5):  # polled every 0.1 s
-        exposition.body(lambda fmt: [exposition.part("x", fmt, collect, 2.5)], "", "")
-        now[0] += 0.1
-    exposition.after_sample("x", collect, interval=1.0)
-    assert rendered[-1] == now[0]  # a poll may still come: rendered ahead
-    count = len(rendered)
+        x.scrape()
+        x.now += 0.1
+    x.sample()
+    assert x.rendered[-1] == x.now  # a poll may still come: rendered ahead
+    count = len(x.rendered)
     for _ in range(30):  # nobody polls any more
-        now[0] += 1.0
-        exposition.after_sample("x", collect, interval=1.0)
-    assert len(rendered) - count <= 3  # the cadence lapsed after two periods and 2.5 intervals
-    exposition.body(lambda fmt: [exposition.part("x", fmt, collect, 2.5)], "", "")
-    assert rendered[-1] == now[0]  # a scrape that does come still gets a fresh rendering
+        x.now += 1.0
+        x.sample()
+    assert len(x.rendered) - count <= 3  # the cadence lapsed after two periods and 2.5 intervals
+    x.scrape()
+    assert x.rendered[-1] == x.now  # a scrape that does come still gets a fresh rendering
 
 
 def test_a_rendering_that_forget_overtook_is_not_served_again():
@@ -266,31 +279,17 @@ def test_a_scrape_on_its_cadence_or_an_interval_early_finds_a_part_rendered_ahea
     comes on time or up to an interval early (jitter, a replica of an HA pair, a late sample) is served what a sample
     rendered ahead of it, not made to render 1,000 jobs itself (~20 ms), and the samples render at most three times
     for it (rendering every sample would cost 15)."""
-    from prometheus_client.core import GaugeMetricFamily
-
-    from tfprofd.daemon.exposition import Exposition
-
-    now = [1000.0]
-    exposition = Exposition(clock=lambda: now[0])
-    rendered: list[float] = []
-
-    def collect():
-        rendered.append(now[0])
-        return [GaugeMetricFamily("tfprofd_test", "A gauge.", value=1)]
-
-    def scrape() -> None:
-        exposition.body(lambda fmt: [exposition.part("x", fmt, collect, 2.5)], "", "")
-
+    x = _CountedPart(1000.0)
     for _ in range(4):  # the cadence is learned
-        scrape()
-        now[0] += 15.0
-    start, count = now[0] - 15.0, len(rendered)
+        x.scrape()
+        x.now += 15.0
+    start, count = x.now - 15.0, len(x.rendered)
     for second in range(15):  # the samples up to the scrape
         if second + phase < 15.0 - early:
-            now[0] = start + second + phase
-            exposition.after_sample("x", collect, interval=1.0)
-    now[0] = start + 15.0 - early
-    ahead = len(rendered) - count
-    scrape()
-    assert len(rendered) - count == ahead, rendered[count:]  # served what a sample rendered
-    assert 1 <= ahead <= 3, rendered[count:]
+            x.now = start + second + phase
+            x.sample()
+    x.now = start + 15.0 - early
+    ahead = len(x.rendered) - count
+    x.scrape()
+    assert len(x.rendered) - count == ahead, x.rendered[count:]  # served what a sample rendered
+    assert 1 <= ahead <= 3, x.rendered[count:]
