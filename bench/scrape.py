@@ -77,21 +77,28 @@ def timed(conn: HTTPConnection) -> float:
 
 
 def scrape_every(ports: list[int], period: float, stop_event: threading.Event,
-                 after_round: Callable[[int], bool] | None = None) -> None:
+                 after_round: Callable[[int], bool] | None = None, source: str = "127.0.0.1",
+                 durations: dict[int, list[float]] | None = None) -> None:
     """Ask each agent for /metrics every ``period`` seconds as Prometheus does (OpenMetrics, gzip, a kept-alive
     connection each, opened again where the agent closed it: it closes one idle for 30 s), until ``stop_event``, or
-    until ``after_round(rounds so far)`` says to stop."""
-    conns = {port: HTTPConnection("127.0.0.1", port, timeout=30) for port in ports}
+    until ``after_round(rounds so far)`` says to stop. ``source``: the loopback address to scrape from (an HA pair's
+    replicas scrape from two); ``durations``: port -> each scrape's duration, appended to."""
+    def connect(port: int) -> HTTPConnection:
+        return HTTPConnection("127.0.0.1", port, timeout=30, source_address=(source, 0))
+
+    conns = {port: connect(port) for port in ports}
     due, rounds = time.monotonic(), 0
     try:
         while not stop_event.wait(max(due - time.monotonic(), 0.0)):
             for port in ports:
                 try:
-                    timed(conns[port])
+                    took = timed(conns[port])
                 except (HTTPException, ConnectionError):  # closed while idle: Prometheus connects again
                     conns[port].close()
-                    conns[port] = HTTPConnection("127.0.0.1", port, timeout=30)
-                    timed(conns[port])
+                    conns[port] = connect(port)
+                    took = timed(conns[port])
+                if durations is not None:
+                    durations.setdefault(port, []).append(took)
             rounds += 1
             if after_round is not None and after_round(rounds):
                 return
@@ -102,13 +109,14 @@ def scrape_every(ports: list[int], period: float, stop_event: threading.Event,
 
 
 def scraping(ports: list[int], period: float, stop_event: threading.Event,
-             after_round: Callable[[int], bool] | None = None) -> tuple[threading.Thread, list[BaseException]]:
+             after_round: Callable[[int], bool] | None = None, source: str = "127.0.0.1",
+             durations: dict[int, list[float]] | None = None) -> tuple[threading.Thread, list[BaseException]]:
     """``scrape_every`` on a thread of its own, started; the list holds what stopped it if that was an error."""
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            scrape_every(ports, period, stop_event, after_round)
+            scrape_every(ports, period, stop_event, after_round, source, durations)
         except BaseException as exc:  # the caller raises it: a bench must not report a window nobody scraped
             errors.append(exc)
 

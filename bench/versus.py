@@ -12,7 +12,9 @@ each second (one burst otherwise). ``--pods``: the jobs report over UDP from a n
 through a veth pair, as pods on a pod network do (their address is not the host's: needs root and ``ip``).
 ``--scrape-every=S``: both agents are scraped every S seconds as Prometheus scrapes (OpenMetrics, gzip, kept
 alive; ``scrape.scrape_every``), from three scrapes before the first window on (unscraped otherwise): the first
-in that format, so the agents know the cadence from the second.
+in that format, so the agents know the cadence from the second. ``--replicas=2``: by two scrapers, as an HA pair of
+Prometheus replicas, from two loopback addresses, the second ``--replica-offset=S`` (2) seconds after the first; the
+bench prints each agent's scrape durations (a scrape that finds no part rendered ahead renders it itself).
 ``--quick``: 2 jobs, one window of 1 s, against ``HEAD`` (CI; without a git history, the checkout against itself).
 """
 
@@ -52,6 +54,8 @@ ROUNDS = 1 if QUICK else int(option("rounds", "5"))
 SECONDS = 1.0 if QUICK else float(option("seconds", "30"))
 SCRAPE_EVERY = float(option("scrape-every", "0"))
 SCRAPE_WARMUP = 3  # scrapes before the first window
+REPLICAS = int(option("replicas", "1"))
+REPLICA_OFFSET = float(option("replica-offset", "2"))
 
 
 def ratio(this: float, base: float) -> float:
@@ -93,7 +97,8 @@ def main() -> None:
         here = f"{ROOT / 'bench'}:{ROOT / 'tests'}"
         agents, senders, ports = {}, [], []
         stop_scraping = threading.Event()
-        scraper, scrape_errors = None, []
+        scrapers: list[tuple[threading.Thread, list[BaseException]]] = []
+        durations: dict[int, list[float]] = {}
         try:
             if PODS and not pod_network(NETNS, HOST_SIDE, POD_SIDE):
                 raise SystemExit(2)
@@ -115,8 +120,14 @@ def main() -> None:
                 senders.append((sender, stop_event))
                 wait_jobs(port, JOBS)
             if SCRAPE_EVERY:  # the agents learn the cadence before the windows
-                scraper, scrape_errors = scraping(ports, SCRAPE_EVERY, stop_scraping)
+                for replica in range(REPLICAS):
+                    if replica:
+                        time.sleep(REPLICA_OFFSET)
+                    scrapers.append(scraping(ports, SCRAPE_EVERY, stop_scraping, source=f"127.0.0.{replica + 1}",
+                                             durations=durations))
                 time.sleep(SCRAPE_WARMUP * SCRAPE_EVERY)
+                for taken in durations.values():
+                    taken.clear()  # the windows' scrapes only
             cpu: dict[str, list[float]] = {name: [] for name in agents}
             for round_ in range(ROUNDS):
                 before, started = {name: cpu_seconds(a.pid) for name, a in agents.items()}, time.monotonic()
@@ -126,8 +137,14 @@ def main() -> None:
                     cpu[name].append((cpu_seconds(agent.pid) - before[name]) / elapsed * 100)
                 print(f"  window {round_ + 1}: base {cpu['base'][-1]:.2f}%  this {cpu['this'][-1]:.2f}% of a core  "
                       f"ratio {ratio(cpu['this'][-1], cpu['base'][-1]):.2f}", flush=True)
-            if scrape_errors or (scraper is not None and not scraper.is_alive()):
-                raise SystemExit(f"the scrapes every {SCRAPE_EVERY:g} s stopped: {scrape_errors[:1]}")
+            for scraper, scrape_errors in scrapers:
+                if scrape_errors or not scraper.is_alive():
+                    raise SystemExit(f"the scrapes every {SCRAPE_EVERY:g} s stopped: {scrape_errors[:1]}")
+            for name, port in zip(agents, ports, strict=True):
+                if taken := sorted(durations.get(port, [])):
+                    print(f"  scrapes of {name}: {len(taken)}, median {statistics.median(taken) * 1000:.1f} ms, "
+                          f"slowest {taken[-1] * 1000:.1f} ms, {sum(t > 5 * taken[0] for t in taken)} over 5x the "
+                          f"fastest")
             ratios = [ratio(t, b) for t, b in zip(cpu["this"], cpu["base"], strict=True)]
             rss = {name: rss_bytes(a.pid) / 2**20 for name, a in agents.items()}
             print(f"  resident: base {rss['base']:.1f} MiB  this {rss['this']:.1f} MiB")
@@ -136,7 +153,7 @@ def main() -> None:
                   f"this {statistics.mean(cpu['this']):.2f}%")
         finally:
             stop_scraping.set()
-            if scraper is not None:
+            for scraper, _ in scrapers:
                 scraper.join(60)
             for sender, stop_event in senders:
                 stop_event.set()

@@ -30,10 +30,12 @@ _LIBRARY = {TEXT: text_format.generate_latest, OPENMETRICS: openmetrics.generate
 _EOF = b"# EOF\n"
 DEMAND_SECONDS = 600.0
 # how many sampling intervals before a scrape is due a sample renders for it: 2-3 renderings a scrape, of which a scrape
-# reads one, but a scrape up to 1.5 intervals early, a sample up to that late, or two Prometheus replicas (one cadence a
-# format, learned from both) still find a part rendered ahead; 1.5 intervals took 0.97x the CPU at 1,000 jobs scraped
-# every 15 s, and made such scrapes render themselves far more often (an HA pair offset by 6 s: 10% -> 50%)
+# reads one, but a scrape up to 1.5 intervals early or a sample up to that late still find a part rendered ahead; 1.5
+# intervals took 0.97x the CPU at 1,000 jobs scraped every 15 s, and made such scrapes render themselves far more often
 RENDER_LEAD = 2.5
+# scrapers whose cadence is learned apart, by address and format (the least recent is forgotten past that): an HA pair
+# of Prometheus replicas is two, whose scrapes rendered themselves when one cadence was learned from both
+MAX_SCRAPERS = 16
 MAX_LABEL_SETS = 16384  # label strings a part keeps for its next rendering
 GZIP_LEVEL = 1  # a scrape is latency-bound: level 1 is several times faster than 9 for a few % more bytes
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
@@ -237,14 +239,39 @@ def negotiate(accept: str) -> tuple[str, str]:
     return (OPENMETRICS if content_type.startswith("application/openmetrics-text") else TEXT), content_type
 
 
+class _Cadence:
+    """How often one scraper (an address, a format) asks: its last scrape, the period learned from its gaps, and
+    whether its last scrape took the body gzipped."""
+
+    __slots__ = ("gzip", "last", "period")
+
+    def __init__(self, now: float, gzip: bool):
+        self.last, self.gzip = now, gzip
+        self.period: float | None = None
+
+    def asked(self, now: float, gzip: bool) -> None:
+        gap = now - self.last
+        if gap < DEMAND_SECONDS:
+            self.period = gap if self.period is None else 0.7 * self.period + 0.3 * gap
+        self.last, self.gzip = now, gzip
+
+    def due(self, now: float, interval: float) -> bool:
+        """Whether this scraper's next scrape is due within ``RENDER_LEAD`` intervals (or is a little late)."""
+        period = self.period
+        if period is None or now - self.last > DEMAND_SECONDS:
+            return False  # no cadence known yet (one curl), or it scrapes no more
+        return period - RENDER_LEAD * interval <= now - self.last <= cadence_kept(period, interval)
+
+
 class Exposition:
     """Renders collectors ahead of the scrapes that will read them, and joins the parts into a scrape body.
 
     Rendering happens on a collector's sampling thread right after a sample, but only when a scrape in
-    that format is due within ``RENDER_LEAD`` sampling intervals: the scrape cadence of each format is learned
-    from the scrapes themselves. Prometheus every 15 s with a 1 s interval costs 2-3 renderings per
-    collector per scrape, not 15, and a scrape still finds a part at most one interval old. A scrape
-    that finds no fresh part (the first in a format, or one off its cadence) renders it itself.
+    that format is due within ``RENDER_LEAD`` sampling intervals: the cadence of each scraper (its address and
+    format) is learned from its scrapes. Prometheus every 15 s with a 1 s interval costs 2-3 renderings per
+    collector per scrape, not 15, and a scrape still finds a part at most one interval old; an HA pair of
+    replicas costs that for each. A scrape that finds no fresh part (a scraper's first, or one off its
+    cadence) renders it itself.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, reusing: Collection[str] = ()):
@@ -259,36 +286,30 @@ class Exposition:
         self._sections: dict[str, SectionCache] = {}  # collector -> its rendered sections (render())
         self._labels: dict[str, dict[tuple, str]] = {}  # collector -> its label sets as written (render())
         self._kept: dict[str, KeptFamilies] = {}  # collector -> its families as last rendered (render())
-        self._scrapes: dict[str, tuple[float, float | None]] = {}  # format -> (last scrape, period)
-        self._gzipped: dict[str, float] = {}  # format -> when a scrape last took it with gzip
+        self._scrapers: dict[tuple[str, str], _Cadence] = {}  # (format, address) -> its cadence
         self._forgotten: dict[str, int] = {}  # collector -> how often forget() dropped it
         self._lock = threading.Lock()
 
-    def _due(self, fmt: str, now: float, interval: float) -> bool:
-        last, period = self._scrapes[fmt]
-        if period is None or now - last > DEMAND_SECONDS:
-            return False  # no cadence known yet (one curl), or nobody scrapes this format any more
-        return period - RENDER_LEAD * interval <= now - last <= cadence_kept(period, interval)
-
     def after_sample(self, name: str, collect: Callable[[], Iterable[Metric]], interval: float,
                      min_gap: float = 0.0) -> None:
-        """On a sampling thread, after a sample changed what ``name`` renders: render it in each format whose
-        scrape is due, and drop its rendering in the others (the next scrape renders it afresh). ``min_gap``
-        keeps a rendering that is younger than that (for parts that many samples touch)."""
+        """On a sampling thread, after a sample changed what ``name`` renders: render it in each format a scrape is
+        due in, and drop its rendering in the others (the next scrape renders it afresh). ``min_gap`` keeps a
+        rendering that is younger than that (for parts that many samples touch)."""
         now = self.clock()
-        for fmt in list(self._scrapes):
+        scraped: set[str] = set()
+        gzip: dict[str, bool] = {}  # format -> whether a scraper that is due in it takes it gzipped
+        with self._lock:
+            for (fmt, _), cadence in self._scrapers.items():
+                scraped.add(fmt)
+                if cadence.due(now, interval):
+                    gzip[fmt] = gzip.get(fmt, False) or cadence.gzip
+        for fmt in scraped:
             part = self._parts.get((name, fmt))
-            if not self._due(fmt, now, interval):
+            if fmt not in gzip:
                 with self._lock:  # forget() walks the parts under it
                     self._parts.pop((name, fmt), None)
             elif part is None or now - part.made >= min_gap:
-                self._fresh(name, collect, fmt, now, deflate=self._gzip_due(fmt, now, interval))
-
-    def _gzip_due(self, fmt: str, now: float, interval: float) -> bool:
-        """Whether a gzip scrape in ``fmt`` is due as ``_due`` reckons (a plain scraper of the same format, curl or
-        a Prometheus without compression, may come in between)."""
-        last, period = self._gzipped.get(fmt), self._scrapes[fmt][1]
-        return last is not None and period is not None and now - last <= cadence_kept(period, interval)
+                self._fresh(name, collect, fmt, now, deflate=gzip[fmt])
 
     def part(self, name: str, fmt: str, collect: Callable[[], Iterable[Metric]], max_age: float) -> Part:
         """The collector's rendering in ``fmt``, at most ``max_age`` old (rendered now if there is none)."""
@@ -326,23 +347,24 @@ class Exposition:
         self._labels.pop(name, None)
         self._kept.pop(name, None)
 
-    def _asked(self, fmt: str, gzipped: bool) -> None:
+    def _asked(self, fmt: str, scraper: str, gzipped: bool) -> None:
         now = self.clock()
         with self._lock:
-            last, period = self._scrapes.get(fmt, (None, None))
-            if last is not None and now - last < DEMAND_SECONDS:
-                gap = now - last
-                period = gap if period is None else 0.7 * period + 0.3 * gap
-            self._scrapes[fmt] = (now, period)
-            if gzipped:
-                self._gzipped[fmt] = now
+            cadence = self._scrapers.get((fmt, scraper))
+            if cadence is None:
+                if len(self._scrapers) >= MAX_SCRAPERS:  # bounded, however many addresses scrape
+                    del self._scrapers[min(self._scrapers, key=lambda k: self._scrapers[k].last)]
+                self._scrapers[(fmt, scraper)] = _Cadence(now, gzipped)
+            else:
+                cadence.asked(now, gzipped)
 
-    def body(self, parts: Callable[[str], Iterable[Part]], accept: str,
-             accept_encoding: str) -> tuple[bytes, str, str | None]:
-        """(body, content type, content encoding) of a scrape; ``parts(fmt)`` gives every rendered part."""
+    def body(self, parts: Callable[[str], Iterable[Part]], accept: str, accept_encoding: str,
+             scraper: str = "") -> tuple[bytes, str, str | None]:
+        """(body, content type, content encoding) of a scrape by ``scraper`` (its address); ``parts(fmt)`` gives
+        every rendered part."""
         fmt, content_type = negotiate(accept)
         gzipped = text_format.gzip_accepted(accept_encoding)
-        self._asked(fmt, gzipped)
+        self._asked(fmt, scraper, gzipped)
         body_parts = list(parts(fmt))
         if fmt == OPENMETRICS:
             body_parts.append(_EOF_PART)

@@ -85,7 +85,7 @@ class Endpoints:
 
     def metrics(self, request: Request) -> Response:
         body, content_type, encoding = self.exposition.body(
-            self._parts, request.headers.get("accept", ""), request.headers.get("accept-encoding", ""))
+            self._parts, request.headers.get("accept", ""), request.headers.get("accept-encoding", ""), request.peer)
         return Response(200, body, content_type, {"Content-Encoding": encoding} if encoding else {})
 
     def healthz(self, request: Request) -> Response:

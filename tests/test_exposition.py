@@ -226,8 +226,11 @@ class _CountedPart:
     def sample(self) -> None:
         self.exposition.after_sample("x", self.collect, interval=1.0)
 
-    def scrape(self) -> None:
-        self.exposition.body(lambda fmt: [self.exposition.part("x", fmt, self.collect, 2.5)], "", "")
+    def scrape(self, scraper: str = "10.0.0.1") -> bool:
+        """Scrape as ``scraper``; whether the scrape rendered the part itself."""
+        count = len(self.rendered)
+        self.exposition.body(lambda fmt: [self.exposition.part("x", fmt, self.collect, 2.5)], "", "", scraper)
+        return len(self.rendered) > count
 
 
 def test_a_burst_of_polls_that_stopped_does_not_keep_the_agent_rendering():
@@ -293,3 +296,28 @@ def test_a_scrape_on_its_cadence_or_an_interval_early_finds_a_part_rendered_ahea
     x.scrape()
     assert len(x.rendered) - count == ahead, x.rendered[count:]  # served what a sample rendered
     assert 1 <= ahead <= 3, x.rendered[count:]
+
+
+@pytest.mark.parametrize("phase", [0.0, 0.3, 0.7])
+@pytest.mark.parametrize("offset", [0.5, 1.0, 2.0, 4.0, 6.0, 7.5, 9.0, 11.0, 13.0, 14.5])
+def test_each_replica_of_an_ha_pair_finds_a_part_rendered_ahead(offset, phase):
+    """Two Prometheus replicas scrape every 15 s, ``offset`` seconds apart, sampling every second: each replica's
+    scrapes are served what a sample rendered ahead of them (none renders 1,000 jobs itself, ~20 ms), and the samples
+    render at most three times a replica (a cadence learned from both replicas' scrapes at once made half of one
+    replica's scrapes render themselves where they came close together, and rendered up to 11 times in 15 s)."""
+    x = _CountedPart(1000.0)
+    start = x.now
+    events = sorted([(start + 15.0 * k, "10.0.0.1") for k in range(14)]
+                    + [(start + 15.0 * k + offset, "10.0.0.2") for k in range(14)]
+                    + [(start + second + phase, "") for second in range(14 * 15)])
+    rendered_themselves, counted = [], len(x.rendered)
+    for when, scraper in events:
+        x.now = when
+        if not scraper:
+            x.sample()
+        elif x.scrape(scraper) and when >= start + 15.0 * 4:  # after four scrapes each, the cadences are known
+            rendered_themselves.append((when - start, scraper))
+        if when == start + 15.0 * 4:
+            counted = len(x.rendered)
+    assert not rendered_themselves
+    assert len(x.rendered) - counted <= 2 * 3 * 10  # ten periods of 15 s after the first four
