@@ -24,6 +24,7 @@ from .rules import Engine
 from .sampler import Snapshot
 
 log = logging.getLogger("tfprofd.baselines")
+_NEVER = (-math.inf, math.nan)  # a job with no baseline found (NaN: equal to no record's time)
 
 
 class Baselines:
@@ -35,7 +36,10 @@ class Baselines:
         self.engine = engine
         self.clock = clock
         self._steady_since: dict[str, float] = {}  # job -> since when it trains with no rule firing for it
-        self._taken: dict[str, float] = {}  # job -> when its newest baseline was asked for, as last found recent
+        # job -> (when its newest baseline was asked for on the monotonic clock, as last found recent; that baseline's
+        # record time): a record made before the wall clock stepped back is in the future, and its age on the wall
+        # clock put the job's next baseline off by the step (a day ahead at boot: a day without one)
+        self._taken: dict[str, tuple[float, float]] = {}
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
         """After each training sample: take the baseline of every job that is due for one. The work follows the
@@ -57,11 +61,13 @@ class Baselines:
         for job in firing:
             steady[job] = now  # not steady: its baseline must show the job running well
         due = sorted(job for job, since in steady.items() if now - since >= s.baseline_after and job not in firing
-                     and wall - taken.get(job, -math.inf) >= s.baseline_every)
+                     and now - taken.get(job, _NEVER)[0] >= s.baseline_every)
         for job in due:
             last = self.captures.last_baseline_time(job)
-            if last is not None and wall - last < s.baseline_every:
-                taken[job] = last
+            # a record already found is as old as the monotonic clock says (due: old enough); one from the future
+            # is taken as just made
+            if last is not None and last != taken.get(job, _NEVER)[1] and wall - last < s.baseline_every:
+                taken[job] = (now - max(wall - last, 0.0), last)
                 continue
             since, steady[job] = steady[job], now  # taken or refused, the next try waits a steady stretch again
             try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tfprofd.daemon.baselines import Baselines
 from tfprofd.daemon.config import CaptureSettings
 from tfprofd.daemon.errors import CaptureBusy
@@ -129,3 +131,23 @@ def test_a_thousand_steady_jobs_with_recent_baselines_are_not_asked_about_at_eve
     for _ in range(3000):
         sample()
     assert sorted(store.requests) == sorted(jobs)  # an hour after their last: each gets its next
+
+
+@pytest.mark.parametrize("pause", [False, True])
+def test_a_baseline_taken_before_the_wall_clock_stepped_back_delays_the_next_by_baseline_every_not_by_the_step(pause):
+    """A host that booted with its clock a day ahead takes a job's baseline, then NTP steps the clock back: the
+    record's time is a day in the future. The job's next baseline comes about baseline_every later, as for any other,
+    whether the job trained on or paused and came back (the scheduler waited for the wall clock to pass the record's
+    time: a day and an hour without one)."""
+    sample, store, jobs, _ = scheduler({"a"})
+    for _ in range(61):
+        sample()
+    assert store.requests == ["a"]
+    store.clock.wall -= 86400.0  # NTP corrects the clock
+    if pause:  # the job pauses and trains again: the scheduler forgets what it knew of the job
+        jobs.training = set()
+        sample()
+        jobs.training = {"a"}
+    for _ in range(3700):  # steady again for baseline_after, the record found (its age unknown: taken as new), an hour
+        sample()
+    assert store.requests == ["a", "a"]
