@@ -241,26 +241,33 @@ def negotiate(accept: str) -> tuple[str, str]:
 
 class _Cadence:
     """How often one scraper (an address, a format) asks: its last scrape, the period learned from its gaps, and
-    whether its last scrape took the body gzipped."""
+    when it last took the body gzipped (a plain scrape from the same address, curl beside a Prometheus, may come in
+    between)."""
 
-    __slots__ = ("gzip", "last", "period")
+    __slots__ = ("gzipped", "last", "period")
 
-    def __init__(self, now: float, gzip: bool):
-        self.last, self.gzip = now, gzip
+    def __init__(self, now: float, gzipped: bool):
+        self.last = now
         self.period: float | None = None
+        self.gzipped: float | None = now if gzipped else None
 
-    def asked(self, now: float, gzip: bool) -> None:
+    def asked(self, now: float, gzipped: bool) -> None:
         gap = now - self.last
         if gap < DEMAND_SECONDS:
             self.period = gap if self.period is None else 0.7 * self.period + 0.3 * gap
-        self.last, self.gzip = now, gzip
+        self.last = now
+        if gzipped:
+            self.gzipped = now
 
-    def due(self, now: float, interval: float) -> bool:
-        """Whether this scraper's next scrape is due within ``RENDER_LEAD`` intervals (or is a little late)."""
+    def due(self, now: float, interval: float) -> bool | None:
+        """None where this scraper's next scrape is not due within ``RENDER_LEAD`` intervals (nor a little late),
+        else whether it will take the body gzipped."""
         period = self.period
         if period is None or now - self.last > DEMAND_SECONDS:
-            return False  # no cadence known yet (one curl), or it scrapes no more
-        return period - RENDER_LEAD * interval <= now - self.last <= cadence_kept(period, interval)
+            return None  # no cadence known yet (one curl), or it scrapes no more
+        if not period - RENDER_LEAD * interval <= now - self.last <= cadence_kept(period, interval):
+            return None
+        return self.gzipped is not None and now - self.gzipped <= cadence_kept(period, interval)
 
 
 class Exposition:
@@ -301,8 +308,8 @@ class Exposition:
         with self._lock:
             for (fmt, _), cadence in self._scrapers.items():
                 scraped.add(fmt)
-                if cadence.due(now, interval):
-                    gzip[fmt] = gzip.get(fmt, False) or cadence.gzip
+                if (gzipped := cadence.due(now, interval)) is not None:
+                    gzip[fmt] = gzip.get(fmt, False) or gzipped
         for fmt in scraped:
             part = self._parts.get((name, fmt))
             if fmt not in gzip:
