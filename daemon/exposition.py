@@ -33,8 +33,11 @@ DEMAND_SECONDS = 600.0
 # reads one, but a scrape up to 1.5 intervals early or a sample up to that late still find a part rendered ahead; 1.5
 # intervals took 0.97x the CPU at 1,000 jobs scraped every 15 s, and made such scrapes render themselves far more often
 RENDER_LEAD = 2.5
-# scrapers whose cadence is learned apart, by address and format (the least recent is forgotten past that): an HA pair
-# of Prometheus replicas is two, whose scrapes rendered themselves when one cadence was learned from both
+# scrapers whose cadence is learned apart, by address and format: an HA pair of Prometheus replicas is two, whose
+# scrapes rendered themselves when one cadence was learned from both. Past that many, a new scraper takes the place of
+# one that let its cadence lapse, else of the newest with none yet (a one-off curl), else it shares one cadence a
+# format with the others left over (as every scraper did before): evicting the least recent made any 17 scrapers
+# taking turns push each other out before a cadence was learned, and every scrape render itself
 MAX_SCRAPERS = 16
 MAX_LABEL_SETS = 16384  # label strings a part keeps for its next rendering
 GZIP_LEVEL = 1  # a scrape is latency-bound: level 1 is several times faster than 9 for a few % more bytes
@@ -259,6 +262,11 @@ class _Cadence:
         if gzipped:
             self.gzipped = now
 
+    def lapsed(self, now: float) -> bool:
+        """Whether this scraper is gone: it let its cadence lapse (no scrape for two of its periods), or made
+        no second scrape for ``DEMAND_SECONDS``."""
+        return now - self.last > (DEMAND_SECONDS if self.period is None else min(2 * self.period, DEMAND_SECONDS))
+
     def due(self, now: float, interval: float) -> bool | None:
         """None where this scraper's next scrape is not due within ``RENDER_LEAD`` intervals (nor a little late),
         else whether it will take the body gzipped."""
@@ -275,10 +283,10 @@ class Exposition:
 
     Rendering happens on a collector's sampling thread right after a sample, but only when a scrape in
     that format is due within ``RENDER_LEAD`` sampling intervals: the cadence of each scraper (its address and
-    format) is learned from its scrapes. Prometheus every 15 s with a 1 s interval costs 2-3 renderings per
-    collector per scrape, not 15, and a scrape still finds a part at most one interval old; an HA pair of
-    replicas costs that for each. A scrape that finds no fresh part (a scraper's first, or one off its
-    cadence) renders it itself.
+    format, up to ``MAX_SCRAPERS``) is learned from its scrapes. Prometheus every 15 s with a 1 s interval costs
+    2-3 renderings per collector per scrape, not 15, and a scrape still finds a part at most one interval old; an
+    HA pair of replicas costs that for each (for two replicas behind one address, one cadence is learned from
+    both). A scrape that finds no fresh part (a scraper's first two, or one off its cadence) renders it itself.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, reusing: Collection[str] = ()):
@@ -294,6 +302,7 @@ class Exposition:
         self._labels: dict[str, dict[tuple, str]] = {}  # collector -> its label sets as written (render())
         self._kept: dict[str, KeptFamilies] = {}  # collector -> its families as last rendered (render())
         self._scrapers: dict[tuple[str, str], _Cadence] = {}  # (format, address) -> its cadence
+        self._left_over: dict[str, _Cadence] = {}  # format -> the cadence of the scrapers past MAX_SCRAPERS
         self._forgotten: dict[str, int] = {}  # collector -> how often forget() dropped it
         self._lock = threading.Lock()
 
@@ -306,7 +315,7 @@ class Exposition:
         scraped: set[str] = set()
         gzip: dict[str, bool] = {}  # format -> whether a scraper that is due in it takes it gzipped
         with self._lock:
-            for (fmt, _), cadence in self._scrapers.items():
+            for fmt, cadence in [*((fmt, c) for (fmt, _), c in self._scrapers.items()), *self._left_over.items()]:
                 scraped.add(fmt)
                 if (gzipped := cadence.due(now, interval)) is not None:
                     gzip[fmt] = gzip.get(fmt, False) or gzipped
@@ -360,10 +369,27 @@ class Exposition:
             cadence = self._scrapers.get((fmt, scraper))
             if cadence is None:
                 if len(self._scrapers) >= MAX_SCRAPERS:  # bounded, however many addresses scrape
-                    del self._scrapers[min(self._scrapers, key=lambda k: self._scrapers[k].last)]
+                    gone = self._replaceable(now)
+                    if gone is None:  # as many scrapers keep their cadences
+                        if (shared := self._left_over.get(fmt)) is None:
+                            self._left_over[fmt] = _Cadence(now, gzipped)
+                        else:
+                            shared.asked(now, gzipped)
+                        return
+                    del self._scrapers[gone]
                 self._scrapers[(fmt, scraper)] = _Cadence(now, gzipped)
             else:
                 cadence.asked(now, gzipped)
+
+    def _replaceable(self, now: float) -> tuple[str, str] | None:
+        """The scraper a new one takes the place of (``MAX_SCRAPERS``): the least recent that is gone, else the
+        newest with no cadence yet (an older one is nearer its second scrape), else none."""
+        scrapers = self._scrapers
+        gone = [key for key, cadence in scrapers.items() if cadence.lapsed(now)]
+        if gone:
+            return min(gone, key=lambda key: scrapers[key].last)
+        new = [key for key, cadence in scrapers.items() if cadence.period is None]
+        return max(new, key=lambda key: scrapers[key].last) if new else None
 
     def body(self, parts: Callable[[str], Iterable[Part]], accept: str, accept_encoding: str,
              scraper: str = "") -> tuple[bytes, str, str | None]:

@@ -226,10 +226,10 @@ class _CountedPart:
     def sample(self) -> None:
         self.exposition.after_sample("x", self.collect, interval=1.0)
 
-    def scrape(self, scraper: str = "10.0.0.1") -> bool:
+    def scrape(self, scraper: str = "10.0.0.1", accept: str = "") -> bool:
         """Scrape as ``scraper``; whether the scrape rendered the part itself."""
         count = len(self.rendered)
-        self.exposition.body(lambda fmt: [self.exposition.part("x", fmt, self.collect, 2.5)], "", "", scraper)
+        self.exposition.body(lambda fmt: [self.exposition.part("x", fmt, self.collect, 2.5)], accept, "", scraper)
         return len(self.rendered) > count
 
 
@@ -321,3 +321,36 @@ def test_each_replica_of_an_ha_pair_finds_a_part_rendered_ahead(offset, phase):
             counted = len(x.rendered)
     assert not rendered_themselves
     assert len(x.rendered) - counted <= 2 * 3 * 10  # ten periods of 15 s after the first four
+
+
+def _every(period: float, first: float, count: int) -> list[float]:
+    return [first + period * k for k in range(count)]
+
+
+@pytest.mark.parametrize("crowd", ["20 pollers every 15 s", "15 health checks every 5 s", "1,000 one-off polls"])
+def test_a_crowd_of_other_scrapers_does_not_push_prometheus_out(crowd):
+    """Past MAX_SCRAPERS (16) addresses, the cadences learned must not push each other out: an HA pair of Prometheus
+    (OpenMetrics every 15 s, 6 s apart) keeps finding parts rendered ahead beside a crowd of other scrapers (load
+    balancers' health checks, people's curls, a hostile network; text). Evicting the least recent made each new
+    address push out one that had not scraped twice yet: 17 scrapers taking turns, and every scrape rendered itself."""
+    om = "application/openmetrics-text;version=1.0.0"
+    x = _CountedPart(1000.0)
+    start, seconds = x.now, 40 * 15
+    if crowd == "20 pollers every 15 s":
+        others = [(f"35.191.0.{i}", t) for i in range(20) for t in _every(15.0, 0.7 * i, 40)]
+    elif crowd == "15 health checks every 5 s":
+        others = [(f"35.191.0.{i}", t) for i in range(15) for t in _every(5.0, 0.3 * i, 120)]
+    else:
+        others = [(f"198.51.{i // 256}.{i % 256}", 5.0 + 0.5 * i) for i in range(1000)]
+    events = sorted([(start + t, scraper, "") for scraper, t in others if t < seconds]
+                    + [(start + t, "10.0.0.1", om) for t in _every(15.0, 0.0, 40)]
+                    + [(start + t, "10.0.0.2", om) for t in _every(15.0, 6.0, 40)]
+                    + [(start + second + 0.3, "", "") for second in range(seconds)])
+    rendered_themselves = []
+    for when, scraper, accept in events:
+        x.now = when
+        if not scraper:
+            x.sample()
+        elif x.scrape(scraper, accept) and accept and when >= start + 60.0:
+            rendered_themselves.append((when - start, scraper))
+    assert not rendered_themselves
