@@ -72,6 +72,9 @@ class Baselines:
             since, steady[job] = steady[job], now  # taken or refused, the next try waits a steady stretch again
             try:
                 self.captures.request("baseline", job, duration_ms=int(s.baseline_duration * 1000))
+                # due again baseline_every from now, whatever the wall clock does: the store's newest may even be a
+                # record from the future still (it orders them by wall time), which its answer would never pass
+                taken[job] = (now, self.captures.last_baseline_time(job))
                 log.info("job %s has trained steadily for %.0fs: baseline capture started", job, now - since)
             except DomainError as exc:
                 log.info("job %s: no baseline capture now: %s", job, exc.reason)

@@ -14,7 +14,7 @@ from helpers import FakeClock
 
 class Store:
     """The capture service's two answers the scheduler uses: it records each baseline asked for (the newest per
-    job, as the service keeps it) and counts how often a job's newest was asked for."""
+    job by wall time, as the service orders them) and counts how often a job's newest was asked for."""
 
     def __init__(self, clock: FakeClock, refuse: set[str] = frozenset()):
         self.clock, self.refuse = clock, refuse
@@ -31,7 +31,7 @@ class Store:
         self.requests.append(job)
         if job in self.refuse:
             raise CaptureBusy(f"{job} is being captured")
-        self.taken[job] = self.clock.time()
+        self.taken[job] = max(self.taken.get(job, self.clock.time()), self.clock.time())  # newest by wall time
 
 
 class Jobs:
@@ -151,3 +151,6 @@ def test_a_baseline_taken_before_the_wall_clock_stepped_back_delays_the_next_by_
     for _ in range(3700):  # steady again for baseline_after, the record found (its age unknown: taken as new), an hour
         sample()
     assert store.requests == ["a", "a"]
+    for _ in range(2 * 3600):  # the record from the future is still the newest: one an hour all the same
+        sample()
+    assert store.requests == ["a"] * 4
