@@ -35,9 +35,9 @@ DEMAND_SECONDS = 600.0
 RENDER_LEAD = 2.5
 # scrapers whose cadence is learned apart, by address and format: an HA pair of Prometheus replicas is two, whose
 # scrapes rendered themselves when one cadence was learned from both. Past that many, a new scraper takes the place of
-# one that let its cadence lapse, else of the newest with none yet (a one-off curl), else it shares one cadence a
-# format with the others left over (as every scraper did before): evicting the least recent made any 17 scrapers
-# taking turns push each other out before a cadence was learned, and every scrape render itself
+# one that is gone (``_Cadence.lapsed``), else it shares one cadence a format with the others left over, as every
+# scraper did before: evicting the least recent, or the newest with no cadence yet, let 17 scrapers taking turns push
+# each other out before any learned a cadence, and every Prometheus scrape render itself
 MAX_SCRAPERS = 16
 MAX_LABEL_SETS = 16384  # label strings a part keeps for its next rendering
 GZIP_LEVEL = 1  # a scrape is latency-bound: level 1 is several times faster than 9 for a few % more bytes
@@ -283,10 +283,11 @@ class Exposition:
 
     Rendering happens on a collector's sampling thread right after a sample, but only when a scrape in
     that format is due within ``RENDER_LEAD`` sampling intervals: the cadence of each scraper (its address and
-    format, up to ``MAX_SCRAPERS``) is learned from its scrapes. Prometheus every 15 s with a 1 s interval costs
-    2-3 renderings per collector per scrape, not 15, and a scrape still finds a part at most one interval old; an
-    HA pair of replicas costs that for each (for two replicas behind one address, one cadence is learned from
-    both). A scrape that finds no fresh part (a scraper's first two, or one off its cadence) renders it itself.
+    format, up to ``MAX_SCRAPERS``; past them, one for the others of each format) is learned from its scrapes.
+    Prometheus every 15 s with a 1 s interval costs 2-3 renderings per collector per scrape, not 15, and a scrape
+    still finds a part at most one interval old; an HA pair of replicas costs that for each (two replicas behind one
+    address, or among the scrapers left over, share one cadence). A scrape that finds no fresh part (a scraper's first
+    two, or one off its cadence) renders it itself.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, reusing: Collection[str] = ()):
@@ -382,14 +383,9 @@ class Exposition:
                 cadence.asked(now, gzipped)
 
     def _replaceable(self, now: float) -> tuple[str, str] | None:
-        """The scraper a new one takes the place of (``MAX_SCRAPERS``): the least recent that is gone, else the
-        newest with no cadence yet (an older one is nearer its second scrape), else none."""
-        scrapers = self._scrapers
-        gone = [key for key, cadence in scrapers.items() if cadence.lapsed(now)]
-        if gone:
-            return min(gone, key=lambda key: scrapers[key].last)
-        new = [key for key, cadence in scrapers.items() if cadence.period is None]
-        return max(new, key=lambda key: scrapers[key].last) if new else None
+        """The scraper a new one takes the place of (``MAX_SCRAPERS``): the least recent that is gone, if any."""
+        gone = [key for key, cadence in self._scrapers.items() if cadence.lapsed(now)]
+        return min(gone, key=lambda key: self._scrapers[key].last) if gone else None
 
     def body(self, parts: Callable[[str], Iterable[Part]], accept: str, accept_encoding: str,
              scraper: str = "") -> tuple[bytes, str, str | None]:

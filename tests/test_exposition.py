@@ -327,12 +327,14 @@ def _every(period: float, first: float, count: int) -> list[float]:
     return [first + period * k for k in range(count)]
 
 
+@pytest.mark.parametrize("arrives", [0.0, 15.0])
 @pytest.mark.parametrize("crowd", ["20 pollers every 15 s", "15 health checks every 5 s", "1,000 one-off polls"])
-def test_a_crowd_of_other_scrapers_does_not_push_prometheus_out(crowd):
+def test_a_crowd_of_other_scrapers_does_not_push_prometheus_out(crowd, arrives):
     """Past MAX_SCRAPERS (16) addresses, the cadences learned must not push each other out: an HA pair of Prometheus
-    (OpenMetrics every 15 s, 6 s apart) keeps finding parts rendered ahead beside a crowd of other scrapers (load
-    balancers' health checks, people's curls, a hostile network; text). Evicting the least recent made each new
-    address push out one that had not scraped twice yet: 17 scrapers taking turns, and every scrape rendered itself."""
+    (OpenMetrics every 15 s, 6 s apart, from the start or after the crowd) keeps finding parts rendered ahead beside a
+    crowd of other scrapers (load balancers' health checks, people's curls, a hostile network; text). Evicting the
+    least recent made each new address push out one that had not scraped twice yet: 17 scrapers taking turns, and
+    every scrape rendered itself; evicting the newest with no cadence yet did so for a pair that came last."""
     om = "application/openmetrics-text;version=1.0.0"
     x = _CountedPart(1000.0)
     start, seconds = x.now, 40 * 15
@@ -343,14 +345,14 @@ def test_a_crowd_of_other_scrapers_does_not_push_prometheus_out(crowd):
     else:
         others = [(f"198.51.{i // 256}.{i % 256}", 5.0 + 0.5 * i) for i in range(1000)]
     events = sorted([(start + t, scraper, "") for scraper, t in others if t < seconds]
-                    + [(start + t, "10.0.0.1", om) for t in _every(15.0, 0.0, 40)]
-                    + [(start + t, "10.0.0.2", om) for t in _every(15.0, 6.0, 40)]
+                    + [(start + t, "10.0.0.1", om) for t in _every(15.0, arrives, 38)]
+                    + [(start + t, "10.0.0.2", om) for t in _every(15.0, arrives + 6.0, 38)]
                     + [(start + second + 0.3, "", "") for second in range(seconds)])
     rendered_themselves = []
     for when, scraper, accept in events:
         x.now = when
         if not scraper:
             x.sample()
-        elif x.scrape(scraper, accept) and accept and when >= start + 60.0:
+        elif x.scrape(scraper, accept) and accept and when >= start + arrives + 60.0:
             rendered_themselves.append((when - start, scraper))
     assert not rendered_themselves
