@@ -380,9 +380,12 @@ class CaptureService:
     def enforce_retention(self) -> None:
         """Delete the oldest finished captures beyond captures.keep or captures.max_bytes."""
         s = self.settings()
+        now = self.clock.time()
         with self._lock:
-            kept = {b[0].id for job in self._baseline_records
-                    if (b := self._baselines_locked(job))}  # each job's newest baseline stays: later captures compare
+            # each job's newest baseline stays, for later captures to compare with: the newest asked for before now,
+            # not one from the future (asked for before the wall clock stepped back), which they do not compare with
+            kept = {b.id for job in self._baseline_records
+                    if (b := next((b for b in self._baselines_locked(job) if b.requested_at <= now), None))}
             finished = sorted((r for r in self._records.values() if r.status in FINISHED and r.id not in kept),
                               key=lambda r: r.requested_at)
         total = sum(r.bytes for r in finished)

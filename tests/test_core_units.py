@@ -525,3 +525,28 @@ def test_each_jobs_newest_baseline_is_found_without_reading_every_jobs_records(t
     captures.enforce_retention()  # keep=1 (none is analysed, so no job's newest baseline is kept for comparisons)
     assert [r.job for r in captures.list()] == ["job0999"]
     assert [captures.last_baseline_time(job) for job in (*jobs[:3], jobs[-1])] == [None, None, None, 5999.0]
+
+
+def test_retention_keeps_the_baseline_later_captures_compare_with_not_one_from_the_future(tmp_path):
+    """A baseline asked for before the wall clock stepped back (a host booted a day ahead, then NTP) is a job's newest
+    by its time, but a capture asked for now compares with the newest baseline asked for before it: retention must
+    keep that one (it kept the one from the future, and deleted the one the job's captures compare with)."""
+    import time
+
+    from tfprofd.daemon.analysis import CaptureAnalysis
+    from tfprofd.daemon.records import CaptureRecord
+
+    now = time.time()
+    store = RecordStore(tmp_path)
+    analysed = CaptureAnalysis.from_json({"bottleneck": "device", "summary": "device: compute-bound", "steps": 50})
+    for k, (trigger, at) in enumerate((("baseline", now - 7200), ("baseline", now - 600), ("manual", now - 60),
+                                      ("baseline", now + 86400))):
+        store.save(CaptureRecord(id=f"20261129T0000{k:02d}Z-00000{k}", trigger=trigger, job="a", targets=[],
+                                 requested_at=at, duration_ms=500, mode="server", status="done", finished_at=at + 1,
+                                 analysis=analysed))
+    captures = service(tmp_path, keep=1)
+    probe = CaptureRecord(id="20261129T000100Z-000009", trigger="rule", job="a", targets=[], requested_at=now,
+                          duration_ms=500, mode="server")
+    assert captures.baseline_of(probe).requested_at == now - 600
+    captures.enforce_retention()
+    assert captures.baseline_of(probe) is not None and captures.baseline_of(probe).requested_at == now - 600
