@@ -56,7 +56,7 @@ PROMETHEUS_SECONDS = 2 if QUICK else 30
 # a common Prometheus scrape interval: the agent renders ahead only near each scrape, so what a scrape costs at it
 SLOW_SCRAPE_SECONDS = 1 if QUICK else 15
 SLOW_SCRAPES = 2 if QUICK else 4  # scrapes in its CPU window
-# scrapes before it: the agent learns a format's cadence as a moving mean of the gaps (``Exposition._asked``), here from
+# scrapes before it: the agent learns a scraper's cadence as a moving mean of the gaps (``_Cadence.asked``), here from
 # Prometheus's scrapes every second just before; fourteen gaps of 15 s bring it within 0.1 s of 15 s (eight left it at
 # 13.8-14.6 s through the window, with half as many renderings again as a steady scraper gets)
 SLOW_WARMUP = 3 if QUICK else 14

@@ -18,6 +18,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from typing import TypeVar
 
 from prometheus_client import exposition as text_format
 from prometheus_client.core import Metric
@@ -278,6 +279,18 @@ class _Cadence:
         return self.gzipped is not None and now - self.gzipped <= cadence_kept(period, interval)
 
 
+K = TypeVar("K")
+
+
+def _note(cadences: dict[K, _Cadence], key: K, now: float, gzipped: bool) -> None:
+    """A scrape by the scraper(s) ``key`` stands for: its cadence learns from it, or starts with it."""
+    cadence = cadences.get(key)
+    if cadence is None:
+        cadences[key] = _Cadence(now, gzipped)
+    else:
+        cadence.asked(now, gzipped)
+
+
 class Exposition:
     """Renders collectors ahead of the scrapes that will read them, and joins the parts into a scrape body.
 
@@ -366,21 +379,15 @@ class Exposition:
 
     def _asked(self, fmt: str, scraper: str, gzipped: bool) -> None:
         now = self.clock()
+        key = (fmt, scraper)
         with self._lock:
-            cadence = self._scrapers.get((fmt, scraper))
-            if cadence is None:
-                if len(self._scrapers) >= MAX_SCRAPERS:  # bounded, however many addresses scrape
-                    gone = self._replaceable(now)
-                    if gone is None:  # as many scrapers keep their cadences
-                        if (shared := self._left_over.get(fmt)) is None:
-                            self._left_over[fmt] = _Cadence(now, gzipped)
-                        else:
-                            shared.asked(now, gzipped)
-                        return
-                    del self._scrapers[gone]
-                self._scrapers[(fmt, scraper)] = _Cadence(now, gzipped)
-            else:
-                cadence.asked(now, gzipped)
+            if key not in self._scrapers and len(self._scrapers) >= MAX_SCRAPERS:  # bounded, however many scrape
+                gone = self._replaceable(now)
+                if gone is None:  # as many scrapers keep their cadences: this one shares its format's left-over one
+                    _note(self._left_over, fmt, now, gzipped)
+                    return
+                del self._scrapers[gone]
+            _note(self._scrapers, key, now, gzipped)
 
     def _replaceable(self, now: float) -> tuple[str, str] | None:
         """The scraper a new one takes the place of (``MAX_SCRAPERS``): the least recent that is gone, if any."""
