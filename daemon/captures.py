@@ -367,8 +367,12 @@ class CaptureService:
         """The newest analysed baseline of the record's job taken before it (none for a baseline itself)."""
         if record.trigger == "baseline":
             return None
-        return next((b for b in self._baselines(record.job, analysed=True) if b.requested_at < record.requested_at),
-                    None)
+        with self._lock:
+            return self._baseline_before_locked(record.job, record.requested_at)
+
+    def _baseline_before_locked(self, job: str, at: float) -> CaptureRecord | None:
+        """The job's newest analysed baseline asked for before ``at``: what a capture asked for then compares with."""
+        return next((b for b in self._baselines_locked(job) if b.requested_at < at), None)
 
     def last_baseline_time(self, job: str) -> float | None:
         """When the job's newest baseline capture was asked for (Unix time), analysed or not."""
@@ -382,10 +386,9 @@ class CaptureService:
         s = self.settings()
         now = self.clock.time()
         with self._lock:
-            # each job's newest baseline stays, for later captures to compare with: the newest asked for before now,
-            # not one from the future (asked for before the wall clock stepped back), which they do not compare with
-            kept = {b.id for job in self._baseline_records
-                    if (b := next((b for b in self._baselines_locked(job) if b.requested_at <= now), None))}
+            # the baseline each job's next captures compare with stays: the newest asked for before now, not one from
+            # the future (asked for before the wall clock stepped back)
+            kept = {b.id for job in self._baseline_records if (b := self._baseline_before_locked(job, now))}
             finished = sorted((r for r in self._records.values() if r.status in FINISHED and r.id not in kept),
                               key=lambda r: r.requested_at)
         total = sum(r.bytes for r in finished)
