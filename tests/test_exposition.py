@@ -232,6 +232,18 @@ class _CountedPart:
         self.exposition.body(lambda fmt: [self.exposition.part("x", fmt, self.collect, 2.5)], accept, "", scraper)
         return len(self.rendered) > count
 
+    def replay(self, events: list[tuple[float, str, str]], watched: set[str], since: float) -> list[tuple[float, str]]:
+        """Run (time, scraper, Accept) events in time order, a sample where the scraper is empty: the scrapes by the
+        ``watched`` scrapers from ``since`` on that rendered the part themselves."""
+        rendered_themselves = []
+        for when, scraper, accept in sorted(events):
+            self.now = when
+            if not scraper:
+                self.sample()
+            elif self.scrape(scraper, accept) and scraper in watched and when >= since:
+                rendered_themselves.append((when, scraper))
+        return rendered_themselves
+
 
 def test_a_burst_of_polls_that_stopped_does_not_keep_the_agent_rendering():
     """A script polling /metrics until the agent answers teaches the exposition a 0.1 s cadence; once the
@@ -306,21 +318,12 @@ def test_each_replica_of_an_ha_pair_finds_a_part_rendered_ahead(offset, phase):
     render at most three times a replica (a cadence learned from both replicas' scrapes at once made half of one
     replica's scrapes render themselves where they came close together, and rendered up to 11 times in 15 s)."""
     x = _CountedPart(1000.0)
-    start = x.now
-    events = sorted([(start + 15.0 * k, "10.0.0.1") for k in range(14)]
-                    + [(start + 15.0 * k + offset, "10.0.0.2") for k in range(14)]
-                    + [(start + second + phase, "") for second in range(14 * 15)])
-    rendered_themselves, counted = [], len(x.rendered)
-    for when, scraper in events:
-        x.now = when
-        if not scraper:
-            x.sample()
-        elif x.scrape(scraper) and when >= start + 15.0 * 4:  # after four scrapes each, the cadences are known
-            rendered_themselves.append((when - start, scraper))
-        if when == start + 15.0 * 4:
-            counted = len(x.rendered)
-    assert not rendered_themselves
-    assert len(x.rendered) - counted <= 2 * 3 * 10  # ten periods of 15 s after the first four
+    known = x.now + 15.0 * 4  # after four scrapes each, the cadences are known
+    events = ([(x.now + 15.0 * k, "10.0.0.1", "") for k in range(14)]
+              + [(x.now + 15.0 * k + offset, "10.0.0.2", "") for k in range(14)]
+              + [(x.now + second + phase, "", "") for second in range(14 * 15)])
+    assert not x.replay(events, {"10.0.0.1", "10.0.0.2"}, since=known)
+    assert sum(when > known for when in x.rendered) <= 2 * 3 * 10  # ten periods of 15 s after the first four
 
 
 def _every(period: float, first: float, count: int) -> list[float]:
@@ -344,15 +347,8 @@ def test_a_crowd_of_other_scrapers_does_not_push_prometheus_out(crowd, arrives):
         others = [(f"35.191.0.{i}", t) for i in range(15) for t in _every(5.0, 0.3 * i, 120)]
     else:
         others = [(f"198.51.{i // 256}.{i % 256}", 5.0 + 0.5 * i) for i in range(1000)]
-    events = sorted([(start + t, scraper, "") for scraper, t in others if t < seconds]
-                    + [(start + t, "10.0.0.1", om) for t in _every(15.0, arrives, 38)]
-                    + [(start + t, "10.0.0.2", om) for t in _every(15.0, arrives + 6.0, 38)]
-                    + [(start + second + 0.3, "", "") for second in range(seconds)])
-    rendered_themselves = []
-    for when, scraper, accept in events:
-        x.now = when
-        if not scraper:
-            x.sample()
-        elif x.scrape(scraper, accept) and accept and when >= start + arrives + 60.0:
-            rendered_themselves.append((when - start, scraper))
-    assert not rendered_themselves
+    events = ([(start + t, scraper, "") for scraper, t in others if t < seconds]
+              + [(start + t, "10.0.0.1", om) for t in _every(15.0, arrives, 38)]
+              + [(start + t, "10.0.0.2", om) for t in _every(15.0, arrives + 6.0, 38)]
+              + [(start + second + 0.3, "", "") for second in range(seconds)])
+    assert not x.replay(events, {"10.0.0.1", "10.0.0.2"}, since=start + arrives + 60.0)
