@@ -1588,19 +1588,26 @@ def _job_families(rows: Sequence[_Row]) -> Iterator[Metric]:
 
 
 _P = PREFIX + "training_"
-_BUCKET_LE = tuple(f'{_P}step_duration_seconds_bucket{{le="{le!r}",' for le in STEP_BUCKETS)
-_INF_LE = f'{_P}step_duration_seconds_bucket{{le="+Inf",'
+# where each of a job's lines starts, up to its labels' text; the phase and info lines carry a label of their own
+# before the job's and are written whole. A job's own starts (these with its labels) are joined once
+_STARTS = (f"{_P}up{{", f"{_P}processes{{", f"{_P}steps_total{{", f"{_P}samples_total{{",
+           f"{_P}skipped_steps_total{{", f"{_P}samples_per_second{{", f"{_P}batch_size{{", f"{_P}epoch{{",
+           f"{_P}first_step_seconds{{", *(f'{_P}step_duration_seconds_bucket{{le="{le!r}",' for le in STEP_BUCKETS),
+           f'{_P}step_duration_seconds_bucket{{le="+Inf",', f"{_P}step_duration_seconds_count{{",
+           f"{_P}step_duration_seconds_sum{{")
+_UP, _PROCESSES, _STEPS, _SAMPLES, _SKIPPED, _RATE, _BATCH, _EPOCH, _FIRST, _BUCKETS = range(10)
+_SUM = len(_STARTS) - 1  # the buckets, +Inf and _count are the lines from _BUCKETS to it
 
 
 class _JobLines(list):
     """A job's sample lines, one string per family of ``_job_families``, with what the next rendering of the
-    job reuses: the row they were written from, its label text and the histogram's bucket lines one by one."""
+    job reuses: the row they were written from, its label text and its lines' starts (``_STARTS`` with it)."""
 
-    __slots__ = ("buckets", "labels", "row")
+    __slots__ = ("labels", "row", "starts")
 
-    def __init__(self, lines: list[str], row: _Row, labels: str, buckets: list[str]):
+    def __init__(self, lines: list[str], row: _Row, labels: str, starts: tuple[str, ...]):
         super().__init__(lines)
-        self.row, self.labels, self.buckets = row, labels, buckets
+        self.row, self.labels, self.starts = row, labels, starts
 
 
 def _same(a: float | None, b: float | None) -> bool:
@@ -1612,7 +1619,21 @@ _NAN = float("nan")
 # what a job's first rendering compares with: NaN equals no value (and `up` is never None), so every line is written
 _UNWRITTEN = _JobLines([""] * 12, _Row(("", ""), Counts(_NAN, _NAN, _NAN, _NAN, _NAN, (_NAN,) * len(STEP_BUCKETS)),
                                        _NAN, None, _NAN, _NAN, _NAN, _NAN, _NAN, (_NAN,)),  # type: ignore[arg-type]
-                       "", [""] * len(STEP_BUCKETS))
+                       "", ())
+
+
+def _histogram(starts: tuple[str, ...], totals: Counts, count: str) -> str:
+    """The step-duration histogram's lines, given its count's text (with a newline). Cumulative buckets come in
+    runs of one count (none below the usual step time, the step count past it): each run is one join of its
+    lines' starts with the count's text between them (counts are ints: equal counts are written alike)."""
+    parts, at = [], _BUCKETS
+    for value, run in itertools.groupby(totals.buckets):
+        end = at + len(tuple(run))
+        text = count if value == totals.step_count else f"{go_float(value)}\n"
+        parts += (text.join(starts[at:end]), text)
+        at = end
+    parts += (starts[at], count, starts[at + 1], count, starts[_SUM], go_float(totals.step_sum), "\n")
+    return "".join(parts)
 
 
 def _job_lines(row: _Row, before: _JobLines | None = None) -> _JobLines:
@@ -1620,54 +1641,44 @@ def _job_lines(row: _Row, before: _JobLines | None = None) -> _JobLines:
     the job's prometheus_client families and rendering them cost ~70 µs a job, what kept the agent above
     5% of a core with 1,000 jobs reporting every second (issue 24; ``bench/render_jobs.py`` measures both).
     Given the job's last lines (``before``), a line whose value is the same is reused, not written again: a
-    job that reported changes its counts, rate and the buckets its steps fell in, not its labels, phase,
-    epoch, batch size or its other buckets. tests/test_many_jobs.py holds it byte-identical to
-    prometheus_client's rendering, hostile labels included."""
+    job that reported changes its counts, rate and histogram, not its labels, phase, epoch, batch size or
+    profilers. tests/test_many_jobs.py holds it byte-identical to prometheus_client's rendering, hostile labels
+    included."""
     if before is None or before.row.key != row.key:
         before = _UNWRITTEN
         labels = f'training_job="{label_value(row.key[0])}",worker="{label_value(row.key[1])}"}} '
+        starts = tuple(start + labels for start in _STARTS)
     else:
-        labels = before.labels
+        labels, starts = before.labels, before.starts
     old, totals = before.row, row.totals
     was = old.totals
     # counts, processes and epoch are ints (``_int`` checks every report), so ``==`` is exact for them; the float
-    # fields (rate, batch size, first step) go through ``_same``, which never reuses a zero's line; the step sum
-    # is written with the histogram every time
-    phase = before[8] if row.phase == old.phase else "" if row.phase is None else "".join(
-        f'{_P}phase{{phase="{p}",{labels}{"1.0" if p == row.phase else "0.0"}\n' for p in PHASES)
-    buckets = []
-    value = text = None  # cumulative buckets past the usual step time all hold the same count
-    for le, count, count_before, line in zip(_BUCKET_LE, totals.buckets, was.buckets, before.buckets,
-                                                 strict=True):
-        if count == count_before:
-            buckets.append(line)
-        else:
-            if count != value:
-                value, text = count, go_float(count)
-            buckets.append(f"{le}{labels}{text}\n")
-    count = text if totals.step_count == value else go_float(totals.step_count)
-    lines = [
-        before[0] if row.up is old.up else f"{_P}up{{{labels}{'1.0' if row.up else '0.0'}\n",
-        before[1] if row.processes == old.processes else f"{_P}processes{{{labels}{go_float(row.processes)}\n",
-        before[2] if totals.steps == was.steps else f"{_P}steps_total{{{labels}{go_float(totals.steps)}\n",
-        before[3] if totals.samples == was.samples else f"{_P}samples_total{{{labels}{go_float(totals.samples)}\n",
-        before[4] if totals.skipped == was.skipped else
-        f"{_P}skipped_steps_total{{{labels}{go_float(totals.skipped)}\n",
+    # fields (rate, batch size, first step) go through ``_same``, which never reuses a zero's line; the histogram
+    # is written whole when any of it changed
+    histogram = before[11] if totals.buckets == was.buckets and totals.step_count == was.step_count and \
+        _same(totals.step_sum, was.step_sum) else None
+    count = "" if histogram is not None and totals.steps == was.steps else f"{go_float(totals.step_count)}\n"
+    return _JobLines([
+        before[0] if row.up is old.up else f"{starts[_UP]}{'1.0' if row.up else '0.0'}\n",
+        before[1] if row.processes == old.processes else f"{starts[_PROCESSES]}{go_float(row.processes)}\n",
+        before[2] if totals.steps == was.steps else f"{starts[_STEPS]}{count}" if totals.steps == totals.step_count
+        else f"{starts[_STEPS]}{go_float(totals.steps)}\n",
+        before[3] if totals.samples == was.samples else f"{starts[_SAMPLES]}{go_float(totals.samples)}\n",
+        before[4] if totals.skipped == was.skipped else f"{starts[_SKIPPED]}{go_float(totals.skipped)}\n",
         before[5] if _same(row.rate, old.rate) else
-        "" if row.rate is None else f"{_P}samples_per_second{{{labels}{go_float(row.rate)}\n",
+        "" if row.rate is None else f"{starts[_RATE]}{go_float(row.rate)}\n",
         before[6] if _same(row.batch_size, old.batch_size) else
-        "" if row.batch_size is None else f"{_P}batch_size{{{labels}{go_float(row.batch_size)}\n",
+        "" if row.batch_size is None else f"{starts[_BATCH]}{go_float(row.batch_size)}\n",
         before[7] if row.epoch == old.epoch else
-        "" if row.epoch is None else f"{_P}epoch{{{labels}{go_float(row.epoch)}\n",
-        phase,
+        "" if row.epoch is None else f"{starts[_EPOCH]}{go_float(row.epoch)}\n",
+        before[8] if row.phase == old.phase else "" if row.phase is None else "".join(
+            f'{_P}phase{{phase="{p}",{labels}{"1.0" if p == row.phase else "0.0"}\n' for p in PHASES),
         before[9] if _same(row.first_step_seconds, old.first_step_seconds) else "" if row.first_step_seconds is None
-        else f"{_P}first_step_seconds{{{labels}{go_float(row.first_step_seconds)}\n",
+        else f"{starts[_FIRST]}{go_float(row.first_step_seconds)}\n",
         before[10] if row.profilers == old.profilers else
         "".join(f'{_P}info{{profiler_address="{label_value(a)}",{labels}1.0\n' for a in row.profilers),
-        "".join(buckets) + f"{_INF_LE}{labels}{count}\n{_P}step_duration_seconds_count{{{labels}{count}\n"
-        f"{_P}step_duration_seconds_sum{{{labels}{go_float(totals.step_sum)}\n",
-    ]
-    return _JobLines(lines, row, labels, buckets)
+        _histogram(starts, totals, count) if histogram is None else histogram,
+    ], row, labels, starts)
 
 
 def _ports(batch: list[tuple[bytes, Sender]]) -> set[int]:
