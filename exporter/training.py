@@ -1588,20 +1588,19 @@ def _job_families(rows: Sequence[_Row]) -> Iterator[Metric]:
 
 
 _P = PREFIX + "training_"
-# where each of a job's lines starts, up to its labels' text; the phase and info lines carry a label of their own
-# before the job's and are written whole. A job's own starts (these with its labels) are joined once
-_STARTS = (f"{_P}up{{", f"{_P}processes{{", f"{_P}steps_total{{", f"{_P}samples_total{{",
-           f"{_P}skipped_steps_total{{", f"{_P}samples_per_second{{", f"{_P}batch_size{{", f"{_P}epoch{{",
-           f"{_P}first_step_seconds{{", *(f'{_P}step_duration_seconds_bucket{{le="{le!r}",' for le in STEP_BUCKETS),
+# where each line that a report changes starts, up to the job's labels: a job's own starts (these with its labels)
+# are joined once, not at each line it writes (its other lines are written with the labels, as they rarely change)
+_STARTS = (f"{_P}steps_total{{", f"{_P}samples_total{{", f"{_P}samples_per_second{{",
+           *(f'{_P}step_duration_seconds_bucket{{le="{le!r}",' for le in STEP_BUCKETS),
            f'{_P}step_duration_seconds_bucket{{le="+Inf",', f"{_P}step_duration_seconds_count{{",
            f"{_P}step_duration_seconds_sum{{")
-_UP, _PROCESSES, _STEPS, _SAMPLES, _SKIPPED, _RATE, _BATCH, _EPOCH, _FIRST, _BUCKETS = range(10)
+_STEPS, _SAMPLES, _RATE, _BUCKETS = range(4)
 _SUM = len(_STARTS) - 1  # the buckets, +Inf and _count are the lines from _BUCKETS to it
 
 
 class _JobLines(list):
     """A job's sample lines, one string per family of ``_job_families``, with what the next rendering of the
-    job reuses: the row they were written from, its label text and its lines' starts (``_STARTS`` with it)."""
+    job reuses: the row they were written from, its label text and ``_STARTS`` with it."""
 
     __slots__ = ("labels", "row", "starts")
 
@@ -1659,22 +1658,23 @@ def _job_lines(row: _Row, before: _JobLines | None = None) -> _JobLines:
         _same(totals.step_sum, was.step_sum) else None
     count = "" if histogram is not None and totals.steps == was.steps else f"{go_float(totals.step_count)}\n"
     return _JobLines([
-        before[0] if row.up is old.up else f"{starts[_UP]}{'1.0' if row.up else '0.0'}\n",
-        before[1] if row.processes == old.processes else f"{starts[_PROCESSES]}{go_float(row.processes)}\n",
+        before[0] if row.up is old.up else f"{_P}up{{{labels}{'1.0' if row.up else '0.0'}\n",
+        before[1] if row.processes == old.processes else f"{_P}processes{{{labels}{go_float(row.processes)}\n",
         before[2] if totals.steps == was.steps else f"{starts[_STEPS]}{count}" if totals.steps == totals.step_count
         else f"{starts[_STEPS]}{go_float(totals.steps)}\n",
         before[3] if totals.samples == was.samples else f"{starts[_SAMPLES]}{go_float(totals.samples)}\n",
-        before[4] if totals.skipped == was.skipped else f"{starts[_SKIPPED]}{go_float(totals.skipped)}\n",
+        before[4] if totals.skipped == was.skipped else
+        f"{_P}skipped_steps_total{{{labels}{go_float(totals.skipped)}\n",
         before[5] if _same(row.rate, old.rate) else
         "" if row.rate is None else f"{starts[_RATE]}{go_float(row.rate)}\n",
         before[6] if _same(row.batch_size, old.batch_size) else
-        "" if row.batch_size is None else f"{starts[_BATCH]}{go_float(row.batch_size)}\n",
+        "" if row.batch_size is None else f"{_P}batch_size{{{labels}{go_float(row.batch_size)}\n",
         before[7] if row.epoch == old.epoch else
-        "" if row.epoch is None else f"{starts[_EPOCH]}{go_float(row.epoch)}\n",
+        "" if row.epoch is None else f"{_P}epoch{{{labels}{go_float(row.epoch)}\n",
         before[8] if row.phase == old.phase else "" if row.phase is None else "".join(
             f'{_P}phase{{phase="{p}",{labels}{"1.0" if p == row.phase else "0.0"}\n' for p in PHASES),
         before[9] if _same(row.first_step_seconds, old.first_step_seconds) else "" if row.first_step_seconds is None
-        else f"{starts[_FIRST]}{go_float(row.first_step_seconds)}\n",
+        else f"{_P}first_step_seconds{{{labels}{go_float(row.first_step_seconds)}\n",
         before[10] if row.profilers == old.profilers else
         "".join(f'{_P}info{{profiler_address="{label_value(a)}",{labels}1.0\n' for a in row.profilers),
         _histogram(starts, totals, count) if histogram is None else histogram,

@@ -131,6 +131,42 @@ def test_a_job_rendered_again_is_byte_identical_to_prometheus_client_where_lines
         rows = [_changed(rng, r) for r in rows]
 
 
+def _cumulative(rng: random.Random) -> Counts:
+    """A job's counts as a hook sends them: cumulative buckets in runs (none below its usual step time, its
+    compilation steps past the rest), the last runs often the step count itself, counts past a million."""
+    buckets, count = [], 0
+    for _ in STEP_BUCKETS:
+        count += rng.choice([0, 0, 0, 1, rng.randrange(10**7)])
+        buckets.append(count)
+    step_count = buckets[-1] + rng.choice([0, 0, 1, rng.randrange(10**3)])
+    return Counts(step_count, step_count * rng.choice([1, 64]), 0, step_count, rng.uniform(0, 10**6), tuple(buckets))
+
+
+def test_a_histogram_in_runs_of_one_count_is_byte_identical_as_its_steps_come():
+    """A job's step histogram is written run by run, each run of equal cumulative counts in one go, the step
+    count's text shared with +Inf, _count and steps_total: a run that grows, splits or merges with the next
+    as steps come must still show every bucket's own count, in both formats."""
+    rng = random.Random(24024)
+    rows = [_row(rng, hostile=False)._replace(totals=_cumulative(rng)) for _ in range(200)]
+    rows.append(rows[0]._replace(key=("all", "zero"), totals=Counts()))
+    caches: dict = {TEXT: {}, OPENMETRICS: {}}
+    for _ in range(25):
+        families = _sectioned(rows)
+        for fmt in (TEXT, OPENMETRICS):
+            assert render(families, fmt, caches[fmt]) == render_library(list(families), fmt), fmt
+        grown = []
+        for row in rows:
+            new = list(row.totals.buckets)
+            for _ in range(rng.randrange(3)):  # steps in some bucket: it and every bucket above it count them
+                at, steps = rng.randrange(len(new)), rng.choice([1, 25, 10**6])
+                new[at:] = [b + steps for b in new[at:]]
+            steps = new[-1] - row.totals.buckets[-1] + rng.choice([0, 0, 1])  # and some past the last bound
+            grown.append(row._replace(totals=row.totals._replace(
+                steps=row.totals.steps + steps, step_count=row.totals.step_count + steps, buckets=tuple(new),
+                step_sum=row.totals.step_sum + steps * 0.02)))
+        rows = grown
+
+
 def test_a_scrape_rendering_while_a_sample_renders_gets_its_own_snapshot_whole():
     """Scrape threads and the sampling thread share one section cache: each rendering must be exactly its
     own snapshot's, whichever rendering last filled the cache."""
