@@ -1624,7 +1624,8 @@ _UNWRITTEN = _JobLines([""] * 12, _Row(("", ""), Counts(_NAN, _NAN, _NAN, _NAN, 
 def _histogram(starts: tuple[str, ...], totals: Counts, count: str) -> str:
     """The step-duration histogram's lines, given its count's text (with a newline). Cumulative buckets come in
     runs of one count (none below the usual step time, the step count past it): each run is one join of its
-    lines' starts with the count's text between them (counts are ints: equal counts are written alike)."""
+    lines' starts with the count's text between them (counts are ints: equal counts are written alike). A job's
+    counts have a bucket for each of STEP_BUCKETS, as every report that ``parse_report`` accepts."""
     parts, at = [], _BUCKETS
     for value, run in itertools.groupby(totals.buckets):
         end = at + len(tuple(run))
@@ -1656,12 +1657,17 @@ def _job_lines(row: _Row, before: _JobLines | None = None) -> _JobLines:
     # is written whole when any of it changed
     histogram = before[11] if totals.buckets == was.buckets and totals.step_count == was.step_count and \
         _same(totals.step_sum, was.step_sum) else None
+    # the step count's text, shared by the histogram's +Inf and _count (and its buckets that hold as many) and by
+    # steps_total where it is the same int; made only where one of them is written
     count = "" if histogram is not None and totals.steps == was.steps else f"{go_float(totals.step_count)}\n"
+    if totals.steps == was.steps:
+        steps = before[2]
+    else:
+        steps = starts[_STEPS] + (count if totals.steps == totals.step_count else f"{go_float(totals.steps)}\n")
     return _JobLines([
         before[0] if row.up is old.up else f"{_P}up{{{labels}{'1.0' if row.up else '0.0'}\n",
         before[1] if row.processes == old.processes else f"{_P}processes{{{labels}{go_float(row.processes)}\n",
-        before[2] if totals.steps == was.steps else f"{starts[_STEPS]}{count}" if totals.steps == totals.step_count
-        else f"{starts[_STEPS]}{go_float(totals.steps)}\n",
+        steps,
         before[3] if totals.samples == was.samples else f"{starts[_SAMPLES]}{go_float(totals.samples)}\n",
         before[4] if totals.skipped == was.skipped else
         f"{_P}skipped_steps_total{{{labels}{go_float(totals.skipped)}\n",
