@@ -1588,25 +1588,23 @@ def _job_families(rows: Sequence[_Row]) -> Iterator[Metric]:
 
 
 _P = PREFIX + "training_"
-# where each line that a report changes starts, up to the job's labels: a job's own starts (these with its labels)
-# are joined once, not at each line it writes (its other lines are written with the labels, as they rarely change)
-_STARTS = (f"{_P}steps_total{{", f"{_P}samples_total{{", f"{_P}samples_per_second{{",
-           *(f'{_P}step_duration_seconds_bucket{{le="{le!r}",' for le in STEP_BUCKETS),
-           f'{_P}step_duration_seconds_bucket{{le="+Inf",', f"{_P}step_duration_seconds_count{{",
-           f"{_P}step_duration_seconds_sum{{")
-_STEPS, _SAMPLES, _RATE, _BUCKETS = range(4)
-_SUM = len(_STARTS) - 1  # the buckets, +Inf and _count are the lines from _BUCKETS to it
+# the starts of the lines a report changes, up to the job's labels, shared by every job; the histogram's bucket by
+# bucket, then +Inf and _count (a run of buckets of one count is their join, with the labels and count between them)
+_STEPS, _SAMPLES, _RATE, _SUM = (f"{_P}{name}{{" for name in ("steps_total", "samples_total", "samples_per_second",
+                                                               "step_duration_seconds_sum"))
+_HISTOGRAM = (*(f'{_P}step_duration_seconds_bucket{{le="{le!r}",' for le in STEP_BUCKETS),
+              f'{_P}step_duration_seconds_bucket{{le="+Inf",', f"{_P}step_duration_seconds_count{{")
 
 
 class _JobLines(list):
     """A job's sample lines, one string per family of ``_job_families``, with what the next rendering of the
-    job reuses: the row they were written from, its label text and ``_STARTS`` with it."""
+    job reuses: the row they were written from and its label text."""
 
-    __slots__ = ("labels", "row", "starts")
+    __slots__ = ("labels", "row")
 
-    def __init__(self, lines: list[str], row: _Row, labels: str, starts: tuple[str, ...]):
+    def __init__(self, lines: list[str], row: _Row, labels: str):
         super().__init__(lines)
-        self.row, self.labels, self.starts = row, labels, starts
+        self.row, self.labels = row, labels
 
 
 def _same(a: float | None, b: float | None) -> bool:
@@ -1618,21 +1616,23 @@ _NAN = float("nan")
 # what a job's first rendering compares with: NaN equals no value (and `up` is never None), so every line is written
 _UNWRITTEN = _JobLines([""] * 12, _Row(("", ""), Counts(_NAN, _NAN, _NAN, _NAN, _NAN, (_NAN,) * len(STEP_BUCKETS)),
                                        _NAN, None, _NAN, _NAN, _NAN, _NAN, _NAN, (_NAN,)),  # type: ignore[arg-type]
-                       "", ())
+                       "")
 
 
-def _histogram(starts: tuple[str, ...], totals: Counts, count: str) -> str:
-    """The step-duration histogram's lines, given its count's text (with a newline). Cumulative buckets come in
-    runs of one count (none below the usual step time, the step count past it): each run is one join of its
-    lines' starts with the count's text between them (counts are ints: equal counts are written alike). A job's
-    counts have a bucket for each of STEP_BUCKETS, as every report that ``parse_report`` accepts."""
-    parts, at = [], _BUCKETS
+def _histogram(labels: str, totals: Counts, count: str) -> str:
+    """The step-duration histogram's lines, given the job's label text and its step count's text (with a newline).
+    Cumulative buckets come in runs of one count (none below the usual step time, the step count past it): each run
+    is one join of its lines' starts, shared by every job, with the job's labels and the count between them, and
+    after the last (counts are ints: equal counts are written alike). A job's counts have a bucket for each of
+    STEP_BUCKETS, as every report that ``parse_report`` accepts."""
+    parts, at = [], 0
+    end_count = labels + count
     for value, run in itertools.groupby(totals.buckets):
         end = at + len(tuple(run))
-        text = count if value == totals.step_count else f"{go_float(value)}\n"
-        parts += (text.join(starts[at:end]), text)
+        text = end_count if value == totals.step_count else f"{labels}{go_float(value)}\n"
+        parts += (text.join(_HISTOGRAM[at:end]), text)
         at = end
-    parts += (starts[at], count, starts[at + 1], count, starts[_SUM], go_float(totals.step_sum), "\n")
+    parts += (_HISTOGRAM[at], end_count, _HISTOGRAM[at + 1], end_count, _SUM, labels, go_float(totals.step_sum), "\n")
     return "".join(parts)
 
 
@@ -1647,9 +1647,8 @@ def _job_lines(row: _Row, before: _JobLines | None = None) -> _JobLines:
     if before is None or before.row.key != row.key:
         before = _UNWRITTEN
         labels = f'training_job="{label_value(row.key[0])}",worker="{label_value(row.key[1])}"}} '
-        starts = tuple(start + labels for start in _STARTS)
     else:
-        labels, starts = before.labels, before.starts
+        labels = before.labels
     old, totals = before.row, row.totals
     was = old.totals
     # counts, processes and epoch are ints (``_int`` checks every report), so ``==`` is exact for them; the float
@@ -1663,16 +1662,17 @@ def _job_lines(row: _Row, before: _JobLines | None = None) -> _JobLines:
     if totals.steps == was.steps:
         steps = before[2]
     else:
-        steps = starts[_STEPS] + (count if totals.steps == totals.step_count else f"{go_float(totals.steps)}\n")
+        steps = f"{_STEPS}{labels}{count}" if totals.steps == totals.step_count else \
+            f"{_STEPS}{labels}{go_float(totals.steps)}\n"
     return _JobLines([
         before[0] if row.up is old.up else f"{_P}up{{{labels}{'1.0' if row.up else '0.0'}\n",
         before[1] if row.processes == old.processes else f"{_P}processes{{{labels}{go_float(row.processes)}\n",
         steps,
-        before[3] if totals.samples == was.samples else f"{starts[_SAMPLES]}{go_float(totals.samples)}\n",
+        before[3] if totals.samples == was.samples else f"{_SAMPLES}{labels}{go_float(totals.samples)}\n",
         before[4] if totals.skipped == was.skipped else
         f"{_P}skipped_steps_total{{{labels}{go_float(totals.skipped)}\n",
         before[5] if _same(row.rate, old.rate) else
-        "" if row.rate is None else f"{starts[_RATE]}{go_float(row.rate)}\n",
+        "" if row.rate is None else f"{_RATE}{labels}{go_float(row.rate)}\n",
         before[6] if _same(row.batch_size, old.batch_size) else
         "" if row.batch_size is None else f"{_P}batch_size{{{labels}{go_float(row.batch_size)}\n",
         before[7] if row.epoch == old.epoch else
@@ -1683,8 +1683,8 @@ def _job_lines(row: _Row, before: _JobLines | None = None) -> _JobLines:
         else f"{_P}first_step_seconds{{{labels}{go_float(row.first_step_seconds)}\n",
         before[10] if row.profilers == old.profilers else
         "".join(f'{_P}info{{profiler_address="{label_value(a)}",{labels}1.0\n' for a in row.profilers),
-        _histogram(starts, totals, count) if histogram is None else histogram,
-    ], row, labels, starts)
+        _histogram(labels, totals, count) if histogram is None else histogram,
+    ], row, labels)
 
 
 def _ports(batch: list[tuple[bytes, Sender]]) -> set[int]:
