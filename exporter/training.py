@@ -1588,10 +1588,8 @@ def _job_families(rows: Sequence[_Row]) -> Iterator[Metric]:
 
 
 _P = PREFIX + "training_"
-# the starts of the lines a report changes, up to the job's labels, shared by every job; the histogram's bucket by
-# bucket, then +Inf and _count (a run of buckets of one count is their join, with the labels and count between them)
-_STEPS, _SAMPLES, _RATE, _SUM = (f"{_P}{name}{{" for name in ("steps_total", "samples_total", "samples_per_second",
-                                                               "step_duration_seconds_sum"))
+# the histogram's line starts, up to the job's labels, bucket by bucket, then +Inf and _count: a run of buckets of one
+# count is their join, with the job's labels and the count between them
 _HISTOGRAM = (*(f'{_P}step_duration_seconds_bucket{{le="{le!r}",' for le in STEP_BUCKETS),
               f'{_P}step_duration_seconds_bucket{{le="+Inf",', f"{_P}step_duration_seconds_count{{")
 
@@ -1632,7 +1630,8 @@ def _histogram(labels: str, totals: Counts, count: str) -> str:
         text = end_count if value == totals.step_count else f"{labels}{go_float(value)}\n"
         parts += (text.join(_HISTOGRAM[at:end]), text)
         at = end
-    parts += (_HISTOGRAM[at], end_count, _HISTOGRAM[at + 1], end_count, _SUM, labels, go_float(totals.step_sum), "\n")
+    parts += (_HISTOGRAM[at], end_count, _HISTOGRAM[at + 1], end_count,
+              f"{_P}step_duration_seconds_sum{{{labels}{go_float(totals.step_sum)}\n")
     return "".join(parts)
 
 
@@ -1662,17 +1661,17 @@ def _job_lines(row: _Row, before: _JobLines | None = None) -> _JobLines:
     if totals.steps == was.steps:
         steps = before[2]
     else:
-        steps = f"{_STEPS}{labels}{count}" if totals.steps == totals.step_count else \
-            f"{_STEPS}{labels}{go_float(totals.steps)}\n"
+        steps = f"{_P}steps_total{{{labels}{count}" if totals.steps == totals.step_count else \
+            f"{_P}steps_total{{{labels}{go_float(totals.steps)}\n"
     return _JobLines([
         before[0] if row.up is old.up else f"{_P}up{{{labels}{'1.0' if row.up else '0.0'}\n",
         before[1] if row.processes == old.processes else f"{_P}processes{{{labels}{go_float(row.processes)}\n",
         steps,
-        before[3] if totals.samples == was.samples else f"{_SAMPLES}{labels}{go_float(totals.samples)}\n",
+        before[3] if totals.samples == was.samples else f"{_P}samples_total{{{labels}{go_float(totals.samples)}\n",
         before[4] if totals.skipped == was.skipped else
         f"{_P}skipped_steps_total{{{labels}{go_float(totals.skipped)}\n",
         before[5] if _same(row.rate, old.rate) else
-        "" if row.rate is None else f"{_RATE}{labels}{go_float(row.rate)}\n",
+        "" if row.rate is None else f"{_P}samples_per_second{{{labels}{go_float(row.rate)}\n",
         before[6] if _same(row.batch_size, old.batch_size) else
         "" if row.batch_size is None else f"{_P}batch_size{{{labels}{go_float(row.batch_size)}\n",
         before[7] if row.epoch == old.epoch else
