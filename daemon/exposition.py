@@ -12,12 +12,14 @@ prometheus_client on every family the agent exports, in both formats.
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import threading
 import time
 import zlib
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from types import ModuleType
 from typing import TypeVar
 
 from prometheus_client import exposition as text_format
@@ -42,6 +44,10 @@ RENDER_LEAD = 2.5
 MAX_SCRAPERS = 16
 MAX_LABEL_SETS = 16384  # label strings a part keeps for its next rendering
 GZIP_LEVEL = 1  # a scrape is latency-bound: level 1 is several times faster than 9 for a few % more bytes
+# parts from this size on are deflated by ISA-L: a 1,000-job rendering (2.8 MB) in 0.57 ms against zlib's 2.81, 7%
+# larger, and its CRC in 0.04 ms against 0.37 (issue 24). Below it, by zlib: importing ISA-L costs 0.7 MiB resident,
+# which 20 jobs' parts (~60 KB) do not earn back (README targets 35 MiB with them)
+LARGE_PART = 256 * 1024
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _FAST_TYPES = frozenset({"gauge", "counter", "histogram"})
 # one collector's sections: key -> (token, sample lines per family, label sets written)
@@ -190,6 +196,22 @@ def _render_sectioned(families: Sectioned, fmt: str, cache: SectionCache, out: l
         out.extend(lines[i] for lines in chunks)
 
 
+@functools.cache
+def _isal() -> ModuleType:
+    """ISA-L's zlib-compatible module, imported on first use; the standard library's zlib where there is no wheel
+    for this machine (pyproject's marker): both write the same deflate format."""
+    try:
+        from isal import isal_zlib
+    except ImportError:
+        return zlib
+    return isal_zlib
+
+
+def deflater(size: int) -> ModuleType:
+    """The zlib-compatible module that deflates (and sums) ``size`` bytes: ISA-L's from ``LARGE_PART`` on."""
+    return zlib if size < LARGE_PART else _isal()
+
+
 class Part:
     """One collector's latest rendering per format, when it was made (monotonic), and the same bytes deflated
     once for every gzip scrape that reads this rendering (``deflated``)."""
@@ -206,8 +228,9 @@ class Part:
         segments in a row are one deflate stream (``gzip_body``). Made once (two scrapes racing may both make
         it; either is kept)."""
         if self._deflated is None:
-            compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS)
-            self._deflated = compressor.compress(self.bytes) + compressor.flush(zlib.Z_SYNC_FLUSH)
+            library = deflater(len(self.bytes))
+            compressor = library.compressobj(GZIP_LEVEL, library.DEFLATED, -library.MAX_WBITS)
+            self._deflated = compressor.compress(self.bytes) + compressor.flush(library.Z_SYNC_FLUSH)
         return self._deflated
 
 
@@ -225,7 +248,7 @@ def gzip_body(parts: Sequence[Part]) -> bytes:
     part: curl --compressed reads only a gzip stream's first member."""
     crc, size = 0, 0
     for part in parts:
-        crc, size = zlib.crc32(part.bytes, crc), size + len(part.bytes)
+        crc, size = deflater(len(part.bytes)).crc32(part.bytes, crc), size + len(part.bytes)
     return b"".join([_GZIP_HEADER, *(part.deflated() for part in parts), _LAST_BLOCK,
                      struct.pack("<II", crc, size & 0xFFFFFFFF)])
 

@@ -60,6 +60,31 @@ def test_a_gzip_scrape_is_one_member_that_curl_reads_whole(agents):
         assert b"# TYPE tfprofd_cpu_seconds counter" in shown.stdout
 
 
+@pytest.mark.parametrize("isal", [True, False])
+def test_small_and_large_parts_join_into_one_gzip_member_of_their_bytes(monkeypatch, isal):
+    """Parts from LARGE_PART on are deflated by ISA-L where its wheel is installed, smaller ones (and all of them
+    where it is not) by zlib: the segments join into one gzip member of exactly the parts' bytes, its CRC and
+    size right, an empty part and a part of one byte included."""
+    import zlib as standard
+
+    from isal import isal_zlib
+
+    from tfprofd.daemon import exposition as module
+    from tfprofd.daemon.exposition import LARGE_PART, Part, deflater, gzip_body
+
+    if not isal:  # a machine without the wheel
+        monkeypatch.setattr(module, "_isal", lambda: standard)
+    assert deflater(LARGE_PART - 1) is standard and deflater(LARGE_PART) is (isal_zlib if isal else standard)
+    large = b"".join(b'tfprofd_training_up{training_job="job%04d",worker="0"} 1.0\n' % i for i in range(5000))
+    assert len(large) >= LARGE_PART
+    data = [b"", b"a", large, bytes(range(256)) * 64, large[::-1], b"# EOF\n"]
+    zipped = gzip_body([Part(d, 0.0) for d in data])
+    member = zlib.decompressobj(31)
+    assert member.decompress(zipped) == b"".join(data)
+    assert member.eof and member.unused_data == b""
+    assert gzip.decompress(zipped) == b"".join(data)  # the trailer's CRC and size checked too
+
+
 def test_a_rendering_is_deflated_once_ahead_of_the_gzip_scrapes_that_read_it(monkeypatch):
     """With 1,000 jobs a sample renders 2.7 MB, which every gzip scrape deflated again (~4 ms each, in the
     scrape): a part is deflated once, on the sampling thread when gzip scrapes are due, and a scrape only joins
