@@ -134,27 +134,36 @@ def _udp_origin(address: str | None, uid: int | None) -> str:
     return f"udp:{address}" if uid is None else f"udp:{address}:uid={uid}"
 
 
+# A decoded report's values are of JSON's types exactly (a bool's type is bool, not int): ``type() is`` tests them in
+# one step, where isinstance took two or three (1,000 reports a second, issue 24).
 def _int(data: dict[str, Any], key: str, optional: bool = False) -> int | None:
     value = data.get(key)
+    if type(value) is int and 0 <= value <= _MAX_COUNT:
+        return value
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_COUNT:
-        raise Rejected("invalid_field", f"{key} must be an integer in 0..2^53, got {_show(value)}")
-    return value
+    raise Rejected("invalid_field", f"{key} must be an integer in 0..2^53, got {_show(value)}")
 
 
 def _float(data: dict[str, Any], key: str, optional: bool = False) -> float | None:
     value = data.get(key)
+    kind = type(value)
+    if (kind is float or kind is int) and 0 <= value < 1e12:
+        return float(value)
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e12:
-        raise Rejected("invalid_field", f"{key} must be a non-negative number, got {_show(value)}")
-    return float(value)
+    raise Rejected("invalid_field", f"{key} must be a non-negative number, got {_show(value)}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_name(value: str) -> bool:
+    """Whether a string is a job or worker name: kept, as a process names the same two in every report."""
+    return _NAME.fullmatch(value) is not None
 
 
 def _name(data: dict[str, Any], key: str) -> str:
     value = data.get(key)
-    if not isinstance(value, str) or not _NAME.fullmatch(value):
+    if type(value) is not str or not _is_name(value):
         raise Rejected("invalid_field", f"{key} must be 1-128 characters of [A-Za-z0-9_.:/@+-], got {_show(value)}")
     return value
 
