@@ -155,7 +155,7 @@ def _float(data: dict[str, Any], key: str, optional: bool = False) -> float | No
     raise Rejected("invalid_field", f"{key} must be a non-negative number, got {_show(value)}")
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=2048)  # a job and a worker name for each of hook.max_jobs' default 1,000 series
 def _is_name(value: str) -> bool:
     """Whether a string is a job or worker name: kept, as a process names the same two in every report."""
     return _NAME.fullmatch(value) is not None
@@ -163,7 +163,8 @@ def _is_name(value: str) -> bool:
 
 def _name(data: dict[str, Any], key: str) -> str:
     value = data.get(key)
-    if type(value) is not str or not _is_name(value):
+    # a longer string is no name, and is not kept: hostile reports' names hold at most 2,048 of 128 characters
+    if type(value) is not str or len(value) > 128 or not _is_name(value):
         raise Rejected("invalid_field", f"{key} must be 1-128 characters of [A-Za-z0-9_.:/@+-], got {_show(value)}")
     return value
 

@@ -74,6 +74,24 @@ def test_malformed_reports_are_rejected_with_a_reason(payload, reason):
     assert info.value.reason == reason
 
 
+def test_names_of_hostile_reports_hold_bounded_memory():
+    """A job's name is checked once and kept (a process sends the same one in every report): a flood of reports
+    with a new long name each, valid or not, is refused or read, and keeps at most 2,048 short names."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(6000):
+            name = (f"{i:06d}" + "x" * 8000) if i % 2 else f"job-{i:06d}-" + "y" * 110
+            try:
+                parse_report(encode(valid(job=name)), 65536)
+            except Rejected as exc:
+                assert exc.reason == "invalid_field" and i % 2
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 1_000_000  # 3,000 names of 8,000 characters kept would be 24 MB; 2,048 of 121, 0.5 MB
+
+
 def _hook_payloads(rng: random.Random) -> list[bytes]:
     """Reports as the hook writes them (compact JSON), with values at and past every bound, and each once more
     with a byte changed."""
