@@ -45,8 +45,8 @@ MAX_SCRAPERS = 16
 MAX_LABEL_SETS = 16384  # label strings a part keeps for its next rendering
 GZIP_LEVEL = 1  # a scrape is latency-bound: level 1 is several times faster than 9 for a few % more bytes
 # parts from this size on are deflated by ISA-L: a 1,000-job rendering (2.8 MB) in 0.57 ms against zlib's 2.81, 7%
-# larger, and its CRC in 0.04 ms against 0.37 (issue 24). Below it, by zlib: importing ISA-L costs 0.7 MiB resident,
-# which 20 jobs' parts (~60 KB) do not earn back (README targets 35 MiB with them)
+# larger there, and its CRC in 0.04 ms against 0.37 (issue 24). Below it, by zlib: importing ISA-L costs 0.4-0.7 MiB
+# resident, which 20 jobs' parts (~60 KB) do not earn back (README targets 35 MiB with them)
 LARGE_PART = 256 * 1024
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _FAST_TYPES = frozenset({"gauge", "counter", "histogram"})
