@@ -54,7 +54,8 @@ REJECT_REASONS = ("too_large", "too_deep", "malformed_json", "not_an_object", "u
                   "stale", "counter_decreased", "pid_mismatch", "untrusted_profiler", "unverified_sender",
                   "too_many_jobs", "internal_error")
 SECURITY_REASONS = frozenset({"pid_mismatch", "untrusted_profiler", "unverified_sender"})  # logged as warnings
-_NAME = re.compile(r"[A-Za-z0-9_.:/@+-]{1,128}")
+MAX_NAME_CHARS = 128  # a job or worker name
+_NAME = re.compile(rf"[A-Za-z0-9_.:/@+-]{{1,{MAX_NAME_CHARS}}}")
 _MAX_COUNT = 2**53
 MAX_BRACKETS = 16  # the schema nests 3 deep; more brackets than this is not a report
 MAX_UNSENT = 10**7  # refused reports one report may tell of (115 days of a report a second): more is not a hook's
@@ -163,9 +164,10 @@ def _is_name(value: str) -> bool:
 
 def _name(data: dict[str, Any], key: str) -> str:
     value = data.get(key)
-    # a longer string is no name, and is not kept: hostile reports' names hold at most 2,048 of 128 characters
-    if type(value) is not str or len(value) > 128 or not _is_name(value):
-        raise Rejected("invalid_field", f"{key} must be 1-128 characters of [A-Za-z0-9_.:/@+-], got {_show(value)}")
+    # a longer string is no name, and is not kept: hostile reports' names hold at most 2,048 of MAX_NAME_CHARS each
+    if type(value) is not str or len(value) > MAX_NAME_CHARS or not _is_name(value):
+        raise Rejected("invalid_field",
+                       f"{key} must be 1-{MAX_NAME_CHARS} characters of [A-Za-z0-9_.:/@+-], got {_show(value)}")
     return value
 
 
