@@ -26,6 +26,7 @@ from tfprofd.exporter.training import (
     dropped_since,
     gather_step,
     parse_report,
+    parse_report_fast,
 )
 
 from helpers import metric_value, proc_state, reports_socket, wait_for
@@ -48,7 +49,7 @@ def test_a_valid_report_parses():
     assert (report.job, report.steps, report.samples, report.step_count) == ("j", 3, 96, 3)
 
 
-@pytest.mark.parametrize(("payload", "reason"), [
+MALFORMED = [
     (b"\xff\xfe garbage", "malformed_json"),
     (b'{"v": 1, "job": "j"', "malformed_json"),
     (b'{"v": 1, "job": -}', "malformed_json"),  # a value that is none: not the agent's internal_error
@@ -67,7 +68,10 @@ def test_a_valid_report_parses():
     (encode(valid(step_seconds={"count": 1, "sum": 0.1, "buckets": [1, 0] + [0] * 13})), "invalid_field"),
     (encode(valid(profiler="not an address")), "invalid_field"),
     (b"{" + b" " * 9000 + b"}", "too_large"),
-])
+]
+
+
+@pytest.mark.parametrize(("payload", "reason"), MALFORMED)
 def test_malformed_reports_are_rejected_with_a_reason(payload, reason):
     with pytest.raises(Rejected) as info:
         parse_report(payload, 8192)
@@ -141,6 +145,106 @@ def test_reports_as_the_hook_writes_them_are_read_as_json_loads_reads_them(monke
     assert [outcome(p) for p in payloads] == read
     kinds = [kind for kind, _ in read]
     assert kinds.count("read") > 150 and kinds.count("malformed_json") > 50 and kinds.count("invalid_field") > 50
+
+
+def _msgspec_edges() -> list[bytes]:
+    """Reports where msgspec's reading of JSON and of types could part from ``json.loads`` and ``parse_report``."""
+    base = encode(valid())
+    text = base.decode()
+    edges = [encode(valid(**change)) for change in (
+        {"v": 1.0}, {"v": True}, {"v": "1"}, {"outlier": "yes"}, {"outlier": 1}, {"outlier": True}, {"outlier": None},
+        {"time": 5}, {"time": -0.0}, {"time": 1e12}, {"time": 999999999999.99}, {"first_step_seconds": 0},
+        {"skipped_steps": None}, {"batch_size": None}, {"unsent": None}, {"unsent": 10**7}, {"profiler": 6009},
+        {"profiler": "127.0.0.1:6009"}, {"job": "a" * 128}, {"job": "a" * 129}, {"job": "j\n"}, {"worker": ""},
+        {"pid": 0}, {"pid": -1}, {"pid": 2**64}, {"seq": 2**53}, {"extra": {"a": [1, {"b": 2}]}},
+        {"step_seconds": None},
+        {"step_seconds": {"count": 3, "sum": 0.03, "buckets": [0.0] * 15}},
+        {"step_seconds": {"count": 3, "sum": 0.03, "buckets": [0] * 14}},
+        {"step_seconds": {"count": 3, "sum": 0.03, "buckets": [0] * 16}},
+        {"step_seconds": {"count": 3, "sum": 0.03, "buckets": [3] * 15, "more": 1}},
+        {"step_seconds": {"count": 2, "sum": 0.03, "buckets": [3] * 15}})]
+    edges += [
+        base[:-1] + b',"pid":7,"pid":8}',  # duplicate keys: the last one counts, in both
+        base.replace(b'"pid"', b'"p\\u0069d"'),  # an escaped key
+        base.replace(b'"job": "j"', b'"job": "\\ud800"'),  # a lone surrogate
+        base.replace(b'"job": "j"', b'"job": "j\\u0000"'),
+        base.replace(b'"job": "j"', b'"job": "\xed\xa0\x80"'),  # a surrogate encoded in UTF-8
+        b"\xef\xbb\xbf" + base,  # a byte-order mark: json.loads reads it
+        b" \n" + base + b" \t",
+        base + b"x",
+        text.encode("utf-16"),
+        base.replace(b'"time": ', b'"time": NaN, "t": '),
+        base.replace(b'"time": ', b'"time": Infinity, "t": '),
+        base.replace(b'"epoch": 0', b'"epoch": 0.0'),
+        base.replace(b'"epoch": 0', b'"epoch": 1e0'),
+        base.replace(b'"epoch": 0', b'"epoch": -0'),
+        base[:-1] + b',"deep":' + b"[" * 12 + b"]" * 12 + b"}",
+        *(base[:-1] + b',"unknown":' + value + b"}" for value in (
+            b'"\\q"', b'"\\u12"', b'"a\nb"', b'"a\tb"', b'"\x7f"', b"01", b"1.", b"-", b".5", b"1e", b"1e5", b"-0",
+            b"tru", b"nul", b"[1,]", b'{"a":1,}', b'{"a"}', b"[1 2]", b'"\xc3\xa9"', b"\xc3\xa9")),
+        base.replace(b'"worker": "0"', b'"worker": "0", "\xff": 1'),
+        base[:-1] + b',"deep":' + b"[" * 20 + b"]" * 20 + b"}",
+    ]
+    return edges
+
+
+def test_the_fast_reading_of_reports_accepts_and_refuses_as_parse_report(monkeypatch):
+    """Where reports come at FAST_PARSE_RATE or more, msgspec decodes them (``parse_report_fast``, issue 24): it reads
+    the same Report as ``parse_report``, and refuses with the same reason and detail, on the hook's own encoding with
+    values at and past their bounds and a byte changed, the malformed reports above, and JSON where msgspec and
+    json.loads could differ. It reads the hook's valid reports itself, not by handing them to parse_report."""
+    from tfprofd.exporter import training
+
+    assert training._wire() is not None, "msgspec, a dependency of the agent, is installed"
+    payloads = [*_hook_payloads(random.Random(31)), *_msgspec_edges(),
+                *(p for p, _ in MALFORMED), *(encode(valid(job=f"j{i}", pid=i + 1)) for i in range(50))]
+
+    def outcome(parse, payload: bytes) -> tuple[str, object]:
+        try:
+            return "read", parse(payload, 8192)
+        except Rejected as exc:
+            return exc.reason, str(exc)
+
+    slow = [outcome(parse_report, p) for p in payloads]
+    handed: list[bytes] = []
+
+    def counted(payload: bytes, max_bytes: int) -> training.Report:
+        handed.append(payload)
+        return parse_report(payload, max_bytes)
+
+    monkeypatch.setattr(training, "parse_report", counted)
+    fast = [outcome(parse_report_fast, p) for p in payloads]
+    assert [(p, *f) for p, f, s in zip(payloads, fast, slow, strict=True) if f != s] == []
+    read_alone = [p for p, (kind, _) in zip(payloads, fast, strict=True) if kind == "read" and p not in handed]
+    assert len(read_alone) > 200 and [kind for kind, _ in slow].count("invalid_field") > 50
+
+
+def test_reports_that_come_many_a_second_are_read_by_msgspec_and_few_never_load_it(agents):
+    """20 jobs' reports leave msgspec unloaded, so the agent stays as small as README's 20-job figure; 1,000 reports
+    as fast as the Unix socket takes them are read by it (FAST_PARSE_RATE), every one of them accepted."""
+    agent = agents()
+    maps = Path(f"/proc/{agent.proc.pid}/maps")
+
+    def accepted(count: int) -> bool:
+        return metric_value(agent.scrape(), "tfprofd_hook_reports_total") == count
+
+    reporters = [Reporter(job=f"many{i}", worker="0", profiler=False) for i in range(250)]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:  # blocking: a full queue waits, never drops
+        for i in range(20):
+            reporter = Reporter(job=f"few{i}", worker="0", profiler=False)
+            reporter.record(2, 64, 0.02)
+            sock.sendto(encode(reporter.report()), str(agent.hook_socket))
+        wait_for(lambda: accepted(20), 10, message="20 reports accepted")
+        assert "msgspec" not in maps.read_text()
+        for _ in range(4):
+            for reporter in reporters:
+                reporter.record(2, 64, 0.02)
+                sock.sendto(encode(reporter.report()), str(agent.hook_socket))
+    wait_for(lambda: accepted(1020), 20, message="1,020 reports accepted")
+    assert "msgspec" in maps.read_text()
+    text = agent.scrape()
+    assert metric_value(text, "tfprofd_training_samples_total", training_job="many249") == 4 * 64
+    assert sum(metric_value(text, "tfprofd_hook_reports_rejected_total", reason=r) for r in REJECT_REASONS) == 0
 
 
 def test_fuzzed_datagrams_never_crash_the_agent_and_are_counted(agents):
