@@ -353,11 +353,20 @@ class History:
         last = self._base + len(self._values) if end == math.inf else self._index(end, first)
         return self._values[first - self._base:last - self._base]
 
-    def since(self, start: float) -> tuple[array, int]:
-        """``between(start)``, and where the window begins: the baseline before it ends there (``median_bounds``'s
-        ``last``), found once for both."""
-        first = self._index(start, self._first())
-        return self._values[first - self._base:], first
+    def since(self, start: float) -> tuple[array, int] | None:
+        """``between(start)``, or the last value alone where no sample is that recent (what a rule aggregates), and
+        where the window begins (the baseline before it ends there: ``median_bounds``'s ``last``); None where no
+        sample is kept. In one call: the rules ask it of 1,000 jobs' series every sample, and the steps it took
+        apart (``len``, the first sample kept, the window's) were a fifth of the rules' CPU (issue 24)."""
+        values, base = self._values, self._base
+        end, first = base + len(values), self._axis.first
+        if first < base:
+            first = base
+        if end <= first:
+            return None
+        at = self._axis.index(start)
+        at = first if at < first else end if at > end else at
+        return (values[at - base:] if at < end else values[-1:]), at
 
     def forget_sorted(self) -> None:
         """Drop the windows kept sorted (the rules changed: a window no rule uses any more must not stay)."""
@@ -424,11 +433,12 @@ class History:
 
 def holds(condition: Condition, history: History, now: float) -> tuple[bool, float | None]:
     """Whether the condition holds on a series' history at ``now``, and the value it compared."""
-    if not history:
-        return False, None
     start = now - condition.window
-    recent, end = history.since(start)
-    value = aggregate(recent or [history.last()], condition.aggregate)
+    window = history.since(start)
+    if window is None:
+        return False, None
+    recent, end = window
+    value = aggregate(recent, condition.aggregate)
     if condition.below is not None:
         return value < condition.below, value
     if condition.above is not None:
