@@ -13,6 +13,7 @@ prometheus_client on every family the agent exports, in both formats.
 from __future__ import annotations
 
 import functools
+import operator
 import re
 import struct
 import threading
@@ -193,7 +194,7 @@ def _render_sectioned(families: Sectioned, fmt: str, cache: SectionCache, out: l
     cache.update(fresh)  # sections that are gone (expired jobs) are dropped
     for i, template in enumerate(templates):
         out.append(_header(template, fmt))
-        out.extend(lines[i] for lines in chunks)
+        out.extend(map(operator.itemgetter(i), chunks))
 
 
 @functools.cache
