@@ -1280,10 +1280,11 @@ class TrainingCollector(Collector):
         return payload, Sender(local=True)  # no credentials: the pid check rejects it
 
     def _recv_udp(self, sock: socket.socket) -> tuple[bytes, Sender]:
-        payload, ancillary, _, (address, port, *_) = sock.recvmsg(65536, _DROPS_SPACE)
+        payload, ancillary, _, source = sock.recvmsg(65536, _DROPS_SPACE)
         if ancillary:  # only once the kernel has dropped datagrams on this socket (SO_RXQ_OVFL)
             self._count_drops(ancillary)
-        return payload, Sender(local=False, address=address, port=port)
+        # by position, the address and port indexed: unpacked by keyword and pattern, half again as long
+        return payload, Sender(False, None, None, source[0], source[1])
 
     def _count_drops(self, ancillary: list[tuple[int, int, bytes]]) -> None:
         """Add the datagrams the kernel dropped since the last report that said so: a UDP socket whose buffer is
