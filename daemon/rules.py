@@ -303,11 +303,12 @@ class History:
         self._axis.append(t)
         self._values.append(value)
 
-    def push(self, value: float) -> None:
-        """The value at the time its shared axis took last. A history that missed a time of its axis (its signal
-        came in a sample without it, and it was not removed: a collector's bug, an exception halfway through a
-        sample) starts again from this value: the samples after a gap would otherwise go with the wrong times."""
-        values, end = self._values, self._axis.end - 1
+    def push(self, value: float, end: int) -> None:
+        """The value at the time its shared axis took last, whose global index is ``end`` (the caller's, once for
+        every series of the axis). A history that missed a time of its axis (its signal came in a sample without
+        it, and it was not removed: a collector's bug, an exception halfway through a sample) starts again from
+        this value: the samples after a gap would otherwise go with the wrong times."""
+        values = self._values
         if self._base + len(values) != end:
             del values[:]
             self._base, self._sorted = end, None
@@ -575,6 +576,7 @@ class Engine:
                 if axis is None:
                     axis = self._axes[signal] = Axis()
                 axis.append(now)
+                end = axis.end - 1  # the index of this sample's time, for each of its series' values
                 known, current = self._keys.get(signal, {}), {}
                 self._keys[signal] = current
                 count = 0
@@ -587,7 +589,7 @@ class Engine:
                     if series.seen != sample:  # a value each sample (a second of the same series is not one)
                         series.seen = sample
                         count += 1
-                        series.push(value)
+                        series.push(value, end)
                 seen[signal] = count
                 if axis.drop_before(oldest):
                     for series in every.values():
