@@ -12,6 +12,9 @@ each figure beside the way it was done before, alternating in one process:
   family's lines kept while it is the same object;
 - a rule's 10-minute baseline median (throughput_drop, step_time_outlier: a series per job each) after 10
   minutes of samples: the window sorted afresh every sample (as before) against kept sorted as it slides;
+- reading and checking a report: JSON's scanner and Python's checks (``parse_report``, what an agent with few
+  reports does) against msgspec's decoder (``parse_report_fast``, from 100 reports a second); the two readings
+  are compared report for report every round;
 - receiving (validating) a report and freezing the jobs at a sample, for scale; evaluating the default
   rules on the jobs' signals, in an engine that just met them and in one that has kept 11 minutes of them
   (the baselines of throughput_drop and step_time_outlier full, as in a running agent).
@@ -42,6 +45,8 @@ from tfprofd.exporter.training import (
     TrainingCollector,
     UdpTable,
     identify_udp_sender,
+    parse_report,
+    parse_report_fast,
 )
 
 import common  # puts tests/ on the path
@@ -97,7 +102,7 @@ def main() -> None:
     refused = 0  # identifications the text table missed (see identified)
     figures: dict[str, list[float]] = {k: [] for k in ("receive", "sample", "library", "hand", "per_report",
                                                         "per_batch", "per_batch_text", "rules", "relabelled", "kept",
-                                                        "afresh", "slid", "steady")}
+                                                        "afresh", "slid", "steady", "json", "msgspec")}
     try:
         for round_ in range(ROUNDS + 1):
             payloads = []
@@ -108,6 +113,13 @@ def main() -> None:
                 payloads.append(json.dumps(data).encode())
             clock.mono += 1
             clock.wall += 1
+            readings, read = {}, {}
+            for name, parse in sorted({"json": parse_report, "msgspec": parse_report_fast}.items(),
+                                      reverse=round_ % 2 == 1):
+                t0 = time.perf_counter()
+                readings[name] = [parse(payload, 8192) for payload in payloads]
+                read[name] = time.perf_counter() - t0
+            assert readings["json"] == readings["msgspec"], "msgspec read the reports otherwise"
             started = time.perf_counter()
             for payload in payloads:
                 collector.receive(payload, sender)
@@ -165,6 +177,8 @@ def main() -> None:
             UdpTable.diag_problem = None
             if round_ == 0:
                 continue  # the first round meets new jobs and cold caches
+            figures["json"].append(read["json"] / JOBS)
+            figures["msgspec"].append(read["msgspec"] / JOBS)
             figures["receive"].append((received - started) / JOBS)
             figures["sample"].append((sampled - received) / JOBS)
             figures["rules"].append((observed - sampled) / JOBS)
@@ -198,11 +212,13 @@ def main() -> None:
           f"{us['relabelled'] / us['kept']:.1f}x (byte-identical)")
     print(f"  a job's 10-minute baseline median, each sample: sorted afresh {us['afresh']:.1f} µs, kept sorted as "
           f"it slides {us['slid']:.1f} µs: {us['afresh'] / us['slid']:.1f}x (the same medians; a job has two)")
+    print(f"  read and check a report: JSON's scanner {us['json']:.1f} µs, msgspec {us['msgspec']:.1f} µs: "
+          f"{us['json'] / us['msgspec']:.1f}x (the same reports)")
     print(f"  validate and apply a report {us['receive']:.1f} µs; freeze a job at a sample {us['sample']:.1f} µs; "
           f"evaluate the default rules on a job's signals {us['rules']:.1f} µs (with {STEADY_SAMPLES} s of "
           f"history: {us['steady']:.1f} µs)")
-    shared = us["receive"] + us["sample"] + us["rules"]
-    per_second = (us["hand"] + us["per_batch"] + us["kept"] + shared) * JOBS / 1e6
+    shared = us["receive"] + us["sample"] + us["rules"]  # the receiving measured with JSON's scanner
+    per_second = (us["hand"] + us["per_batch"] + us["kept"] + us["msgspec"] - us["json"] + shared) * JOBS / 1e6
     was = (us["library"] + us["per_report"] + us["relabelled"] + shared) * JOBS / 1e6
     print(f"  the collector's work for {JOBS} jobs a second: {per_second * 100:.2f}% of a core (was "
           f"{was * 100:.2f}%: more than a core is an agent that falls behind); after 10 minutes, two baselines a "
