@@ -292,9 +292,12 @@ def parse_report_fast(payload: bytes, max_bytes: int) -> Report:
     msgspec is stricter about: a version of 1.0, an ``outlier`` that is not a bool)."""
     wire = _wire()
     # the hook writes ASCII (JSON's escapes for the rest); msgspec skips the bytes of a field it does not know
-    # without checking that they are UTF-8, which json.loads refuses
+    # without checking that they are UTF-8, or that an integer there has no more digits than Python converts
+    # (sys.get_int_max_str_digits), both of which json.loads refuses
+    digits = sys.get_int_max_str_digits()
     if (wire is None or len(payload) > max_bytes or not payload.isascii()
-            or payload.count(b"[") + payload.count(b"{") > MAX_BRACKETS):
+            or payload.count(b"[") + payload.count(b"{") > MAX_BRACKETS
+            or (digits and len(payload) > digits and re.search(rb"[0-9]{%d}" % (digits + 1), payload))):
         return parse_report(payload, max_bytes)
     decoder, error = wire
     try:
