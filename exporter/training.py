@@ -158,15 +158,21 @@ def _float(data: dict[str, Any], key: str, optional: bool = False) -> float | No
 
 
 @functools.lru_cache(maxsize=2048)  # a job and a worker name for each of hook.max_jobs' default 1,000 series
-def _is_name(value: str) -> bool:
-    """Whether a string is a job or worker name: kept, as a process names the same two in every report."""
+def _matches_name(value: str) -> bool:
+    """Whether a string of at most MAX_NAME_CHARS matches a name's pattern: kept, as a process names the same two in
+    every report."""
     return _NAME.fullmatch(value) is not None
+
+
+def _is_name(value: object) -> bool:
+    """Whether a decoded value is a job or worker name. A longer string is no name, and is not kept: hostile reports'
+    names hold at most 2,048 of MAX_NAME_CHARS each."""
+    return type(value) is str and len(value) <= MAX_NAME_CHARS and _matches_name(value)
 
 
 def _name(data: dict[str, Any], key: str) -> str:
     value = data.get(key)
-    # a longer string is no name, and is not kept: hostile reports' names hold at most 2,048 of MAX_NAME_CHARS each
-    if type(value) is not str or len(value) > MAX_NAME_CHARS or not _is_name(value):
+    if not _is_name(value):
         raise Rejected("invalid_field",
                        f"{key} must be 1-{MAX_NAME_CHARS} characters of [A-Za-z0-9_.:/@+-], got {_show(value)}")
     return value
@@ -307,7 +313,7 @@ def parse_report_fast(payload: bytes, max_bytes: int) -> Report:
     step, job, worker, profiler, unsent = data.step_seconds, data.job, data.worker, data.profiler, data.unsent
     buckets = step.buckets
     if (not data.pid or buckets[-1] > step.count or not all(map(operator.le, buckets, buckets[1:]))
-            or len(job) > MAX_NAME_CHARS or not _is_name(job) or len(worker) > MAX_NAME_CHARS or not _is_name(worker)
+            or not _is_name(job) or not _is_name(worker)
             or (unsent is not None and unsent > MAX_UNSENT)):
         return parse_report(payload, max_bytes)
     if profiler is not None:
