@@ -1515,8 +1515,7 @@ class TrainingCollector(Collector):
             state = jobs[series]
             frozen = state.frozen
             if frozen is None or state.dirty or now > frozen.until:
-                frozen = state.frozen = (self._freeze_one if len(state.processes) == 1 else self._freeze_job)(
-                    series, state, now, wall)
+                frozen = state.frozen = self._freeze_job(series, state, now, wall)
                 state.dirty = False
             rows.append(frozen.row)
             views += frozen.views
@@ -1528,6 +1527,8 @@ class TrainingCollector(Collector):
     def _freeze_job(self, series: tuple[str, str], state: JobState, now: float, wall: float) -> _Frozen:
         """One job's part of a sample: 1,000 jobs that report every second are all frozen again at every sample
         (issue 24), most with one process (``_freeze_one``)."""
+        if len(state.processes) == 1:
+            return self._freeze_one(series, state, now, wall)
         job, worker = series
         live = sorted(state.processes.values(), key=_report_time)
         rates, steps, waiting = [], [], []
@@ -1557,31 +1558,21 @@ class TrainingCollector(Collector):
                             max(waiting) if waiting else None, views, until, now)
 
     def _freeze_one(self, series: tuple[str, str], state: JobState, now: float, wall: float) -> _Frozen:
-        """``_freeze_job`` of a job with one process, without its lists, sorts and sums, and for a job that trains
-        and has taken its first step, without ``_frozen``'s steps either (the same part: 1,000 jobs, issue 24)."""
+        """``_freeze_job`` of a job with one process, without its lists, sorts and sums (the same part)."""
         (p,) = state.processes.values()
         report = p.latest
         fresh = now - p.last_seen <= RATE_STALE_SECONDS
         training = fresh and report.phase == "train"
         rate = p.samples_per_second if training else None
-        down_after = self.settings.down_after
-        up = now - state.last_seen <= down_after
+        up = now - state.last_seen <= self.settings.down_after
         until = p.last_seen + RATE_STALE_SECONDS if fresh else math.inf
-        if up and state.last_seen + down_after < until:
-            until = state.last_seen + down_after
-        first_step = report.first_step_seconds
-        folded = state.folded
-        totals = _counts(report) if folded is _ZERO else folded.plus(_counts(report))
-        row = _Row(series, totals, 1, up, rate, report.batch_size, report.epoch, report.phase, first_step,
-                   (p.profiler or "",))
-        views = (ProcessView(series[0], series[1], report.pid, p.key[0] == "local", report.phase, training,
-                             p.profiler, p.samples_per_second if fresh else None, report.batch_size or p.recent_batch,
-                             p.pid_verified),)
-        step = p.recent_step_seconds if training else None
-        if rate is None or step is None or first_step is None or state.frozen is None:
-            return self._frozen(state, row, rate, step, None if first_step is not None else
-                                wall - report.process_start, views, until, now)
-        return _Frozen(row, state.frozen.labels, (("samples_per_second", rate), ("step_seconds", step)), views, until)
+        if up:
+            until = min(until, state.last_seen + self.settings.down_after)
+        waiting = wall - report.process_start if report.first_step_seconds is None else None
+        row = _Row(series, state.totals(), 1, up, rate, report.batch_size, report.epoch, report.phase,
+                   report.first_step_seconds, (p.profiler or "",))
+        return self._frozen(state, row, rate, p.recent_step_seconds if training else None, waiting,
+                            (_view(*series, p, fresh),), until, now)
 
     @staticmethod
     def _frozen(state: JobState, row: _Row, rate: float | None, step: float | None, waiting: float | None,
