@@ -288,7 +288,9 @@ def failure_reason(code_name: str, detail: str, answered_before: bool, answers_n
     if "Another profil" in detail or code_name == "ALREADY_EXISTS":
         return "busy"  # TensorFlow allows one profiling session per process
     if code_name == "UNAVAILABLE" or "HTTP/2" in detail or "http1" in detail.lower():  # the connection failed
-        if not answered_before:
+        # a stream that was set up and then removed reached a server, whatever the probe before the call saw (on a
+        # loaded host its connect can time out while the server is there)
+        if not answered_before and "Stream removed" not in detail:
             return "no_server"
         # Closed now: the process went away during the call. Still open: what listens does not speak gRPC
         # (an HTTP server, random bytes, broken HTTP/2 frames), so it is no profiler, alive or not.

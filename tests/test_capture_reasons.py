@@ -217,6 +217,19 @@ def test_in_server_mode_a_port_that_is_no_profiler_fails_not_a_profiler(server_m
         server.close()
 
 
+def test_a_stream_removed_mid_call_is_a_death_even_where_the_probe_before_it_timed_out():
+    """The probe before a call can time out on a loaded host while the server is there: a call whose stream was
+    set up and then removed (the process killed mid-capture) reached a server, so it is ``died``, not
+    ``no_server`` (seen in the full suite beside a CPU hog, test_multi_worker)."""
+    from tfprofd.daemon.capture_worker import failure_reason
+
+    gone = "Stream removed (Socket closed)"
+    assert failure_reason("UNAVAILABLE", gone, False, lambda: False) == "died"
+    assert failure_reason("UNAVAILABLE", gone, False, lambda: True) == "not_a_profiler"
+    refused = "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: Connection refused"
+    assert failure_reason("UNAVAILABLE", refused, False, lambda: False) == "no_server"
+
+
 def test_a_process_that_exits_mid_capture_is_died_and_holds_automatic_captures(agent):
     server = _dies_mid_call()
     address = next(server)
